@@ -1,0 +1,128 @@
+"""Hugging Face checkpoint folder (config.json + safetensors, one file or sharded) -> params, no torch."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from tqdm.auto import tqdm
+
+from lookm_jax.convert import tables
+from lookm_jax.models.config import LlamaConfig, LlavaConfig
+
+ModelConfig = LlamaConfig | LlavaConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, or holds tensors that do not fit its config."""
+
+
+def parse_config(hf_config: dict[str, Any]) -> ModelConfig:
+    """An HF config dict (llava or llama) -> our frozen config; refuses what it cannot honour."""
+    model_type = hf_config.get("model_type")
+    if model_type == "llava":
+        return LlavaConfig.from_hf(hf_config)
+    if model_type == "llama":
+        return LlamaConfig.from_hf(hf_config, where="config")
+    raise CheckpointError(f"unsupported model_type {model_type!r} (supported: 'llava', 'llama')")
+
+
+def _shard_files(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif os.path.exists(os.path.join(folder, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    missing = [f for f in files if not os.path.exists(os.path.join(folder, f))]
+    if missing:
+        raise CheckpointError(f"{folder}: missing shard(s) {missing} named by the index")
+    return files
+
+
+def read_safetensors(folder: str) -> dict[str, np.ndarray]:
+    """All tensors of a checkpoint folder, keyed by canonical HF name (see `tables.canonical_name`)."""
+    tensors: dict[str, np.ndarray] = {}
+    for name in _shard_files(folder):
+        path = os.path.join(folder, name)
+        try:
+            with safe_open(path, framework="numpy") as f:
+                for key in tqdm(list(f.keys()), desc=f"reading {name}", unit="tensor", leave=False):
+                    tensors[tables.canonical_name(key)] = f.get_tensor(key)
+        except (SafetensorError, OSError, ValueError) as err:
+            raise CheckpointError(f"{path}: corrupt or unreadable safetensors shard ({err})") from err
+    return tensors
+
+
+def _set(tree: dict, path: str, value) -> None:
+    *parents, leaf = path.split(".")
+    for key in parents:
+        tree = tree.setdefault(key, {})
+    tree[leaf] = value
+
+
+def apply_table(tensors: dict[str, np.ndarray], table, prefix: str, num_layers: int,
+                shapes: dict[str, tuple[int, ...]], dtype, skip: tuple[str, ...] = ()) -> dict:
+    """Pop every row's tensors out of `tensors` and build our nested params, shape-checked."""
+    params: dict = {}
+    for ours, hf_name, transform in table:
+        if ours in skip:
+            continue
+        names = ([prefix + hf_name.format(i=i) for i in range(num_layers)] if "{i}" in hf_name
+                 else [prefix + hf_name])
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise CheckpointError(f"checkpoint lacks tensor(s) {missing[:3]}{'...' if len(missing) > 3 else ''}")
+        arrays = [(transform or (lambda a: a))(tensors.pop(n)) for n in names]
+        value = np.stack(arrays) if "{i}" in hf_name else arrays[0]
+        if value.shape != shapes[ours]:
+            raise CheckpointError(f"{names[0]}: shape {value.shape} after mapping to {ours!r}, "
+                                  f"config implies {shapes[ours]}")
+        _set(params, ours, value.astype(dtype))
+    return params
+
+
+def params_from_hf(config: ModelConfig, tensors: dict[str, np.ndarray], dtype=np.float32) -> dict:
+    """Canonically named HF tensors -> {"text": ..., ["vision": ..., "projector": ...]}.
+
+    Consumes `tensors`; any tensor no table row explains is an error (it would be silently unused).
+    """
+    text_cfg = config.text if isinstance(config, LlavaConfig) else config
+    tied = text_cfg.tie_word_embeddings
+    if tied:
+        tensors.pop("lm_head.weight", None)  # some tied checkpoints still store the head
+    with tqdm(total=3 if isinstance(config, LlavaConfig) else 1, desc="converting", unit="part",
+              leave=False) as bar:
+        params = {"text": apply_table(tensors, tables.LLAMA_TABLE, "", text_cfg.num_layers, tables.llama_shapes(text_cfg),
+                                      dtype, skip=("lm_head",) if tied else ())}
+        bar.update()
+        if isinstance(config, LlavaConfig):
+            for name in tables.CLIP_UNUSED:
+                tensors.pop("vision." + name, None)
+            params["vision"] = apply_table(tensors, tables.CLIP_TABLE, "vision.", config.vision.num_layers,
+                                           tables.clip_shapes(config.vision), dtype)
+            bar.update()
+            params["projector"] = apply_table(tensors, tables.PROJECTOR_TABLE, "projector.", 0,
+                                              tables.projector_shapes(config), dtype,
+                                              skip=() if config.projector_bias else ("b1", "b2"))
+            bar.update()
+    if tensors:
+        raise CheckpointError(f"checkpoint has tensors no mapping explains: {sorted(tensors)[:5]}")
+    return params
+
+
+def load_hf_folder(folder: str, dtype=np.float32) -> tuple[dict[str, Any], ModelConfig, dict]:
+    """HF checkpoint folder -> (raw HF config dict, our config, numpy params)."""
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.exists(config_path):
+        raise CheckpointError(f"{folder}: no config.json")
+    with open(config_path) as f:
+        hf_config = json.load(f)
+    config = parse_config(hf_config)
+    return hf_config, config, params_from_hf(config, read_safetensors(folder), dtype)

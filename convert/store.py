@@ -1,0 +1,93 @@
+"""Save / reload converted models: one safetensors file of flattened params + a JSON manifest.
+
+Safetensors rather than orbax: converted params are one small, flat, read-only pytree; safetensors
+is a single memory-mappable file with no extra dependency, readable by any tool, and loads in well
+under a second. Orbax's async, sharded checkpointing solves a training problem we do not have.
+
+Writes are atomic: everything goes to a hidden temporary folder beside the target, which is renamed
+into place only once complete, so an interrupted save never leaves a half-written model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
+
+FORMAT = "lookm-jax-converted"
+VERSION = 1
+MANIFEST = "lookm_config.json"
+PARAMS = "params.safetensors"
+TOKENIZER = "tokenizer.json"
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = np.asarray(value)
+    return flat
+
+
+def unflatten(flat: dict[str, Any]) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split(".")
+        node = tree
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return tree
+
+
+def is_converted(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def save_converted(path: str, params: dict, manifest: dict[str, Any], tokenizer_json: str | None = None) -> None:
+    """Atomically write params + manifest (+ tokenizer) to the folder `path`, replacing it if present."""
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(path)}.tmp-")
+    try:
+        save_file(flatten(params), os.path.join(tmp, PARAMS))
+        if tokenizer_json is not None:
+            with open(os.path.join(tmp, TOKENIZER), "w") as f:
+                f.write(tokenizer_json)
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump({"format": FORMAT, "version": VERSION, **manifest}, f, indent=1)
+        if os.path.exists(path):
+            old = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(path)}.old-")
+            os.replace(path, os.path.join(old, "x"))
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_converted(path: str) -> tuple[dict[str, Any], dict, str | None]:
+    """-> (manifest, numpy params tree, tokenizer json or None)."""
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise ValueError(f"{path}: not a {FORMAT} v{VERSION} folder (found {manifest.get('format')!r} "
+                         f"v{manifest.get('version')!r}); convert the checkpoint again")
+    try:
+        params = unflatten(load_file(os.path.join(path, PARAMS)))
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path}: corrupt or missing {PARAMS} ({err}); convert the checkpoint again") from err
+    tokenizer_path = os.path.join(path, TOKENIZER)
+    tokenizer_json = open(tokenizer_path).read() if os.path.exists(tokenizer_path) else None
+    return manifest, params, tokenizer_json

@@ -1,0 +1,111 @@
+"""Name-mapping tables: Hugging Face tensor names -> our params pytree, one table per architecture.
+
+Every row is (our path, HF name, transform). "{i}" in an HF name marks a per-layer tensor; those
+are stacked on a leading layer axis under our path. Transforms turn torch layouts into ours
+([out, in] linear weights become [in, out]). Shapes are asserted against the config after mapping.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import numpy as np
+
+from lookm_jax.models.config import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+Transform = Callable[[np.ndarray], np.ndarray] | None
+
+
+def _t(w: np.ndarray) -> np.ndarray:
+    """torch Linear [out, in] -> ours [in, out]."""
+    return np.ascontiguousarray(w.T)
+
+
+def _conv_to_matrix(w: np.ndarray) -> np.ndarray:
+    """Patch conv [Hv, C, p, p] -> [C*p*p, Hv], matching `clip.patchify`'s (C, p, p) order."""
+    return np.ascontiguousarray(w.reshape(w.shape[0], -1).T)
+
+
+LLAMA_TABLE: list[tuple[str, str, Transform]] = [
+    ("embed", "model.embed_tokens.weight", None),
+    ("final_norm", "model.norm.weight", None),
+    ("lm_head", "lm_head.weight", _t),
+    ("layers.attn_norm", "model.layers.{i}.input_layernorm.weight", None),
+    ("layers.wq", "model.layers.{i}.self_attn.q_proj.weight", _t),
+    ("layers.wk", "model.layers.{i}.self_attn.k_proj.weight", _t),
+    ("layers.wv", "model.layers.{i}.self_attn.v_proj.weight", _t),
+    ("layers.wo", "model.layers.{i}.self_attn.o_proj.weight", _t),
+    ("layers.mlp_norm", "model.layers.{i}.post_attention_layernorm.weight", None),
+    ("layers.w_gate", "model.layers.{i}.mlp.gate_proj.weight", _t),
+    ("layers.w_up", "model.layers.{i}.mlp.up_proj.weight", _t),
+    ("layers.w_down", "model.layers.{i}.mlp.down_proj.weight", _t),
+]
+
+CLIP_TABLE: list[tuple[str, str, Transform]] = [
+    ("patch_embed", "embeddings.patch_embedding.weight", _conv_to_matrix),
+    ("class_embed", "embeddings.class_embedding", None),
+    ("pos_embed", "embeddings.position_embedding.weight", None),
+    ("pre_norm_w", "pre_layrnorm.weight", None),
+    ("pre_norm_b", "pre_layrnorm.bias", None),
+    *[(f"layers.{ours}_{wb}", f"encoder.layers.{{i}}.{hf}.{'weight' if wb == 'w' else 'bias'}", None)
+      for ours, hf in (("ln1", "layer_norm1"), ("ln2", "layer_norm2")) for wb in "wb"],
+    *[(f"layers.{ours}", f"encoder.layers.{{i}}.{hf}.weight", _t)
+      for ours, hf in (("wq", "self_attn.q_proj"), ("wk", "self_attn.k_proj"), ("wv", "self_attn.v_proj"),
+                       ("wo", "self_attn.out_proj"), ("fc1_w", "mlp.fc1"), ("fc2_w", "mlp.fc2"))],
+    *[(f"layers.{ours}", f"encoder.layers.{{i}}.{hf}.bias", None)
+      for ours, hf in (("bq", "self_attn.q_proj"), ("bk", "self_attn.k_proj"), ("bv", "self_attn.v_proj"),
+                       ("bo", "self_attn.out_proj"), ("fc1_b", "mlp.fc1"), ("fc2_b", "mlp.fc2"))],
+]
+# Present in checkpoints, deliberately unused: CLIP's pooled-output norm and a position-id buffer.
+CLIP_UNUSED = ("post_layernorm.weight", "post_layernorm.bias", "embeddings.position_ids")
+
+PROJECTOR_TABLE: list[tuple[str, str, Transform]] = [
+    ("w1", "linear_1.weight", _t), ("b1", "linear_1.bias", None),
+    ("w2", "linear_2.weight", _t), ("b2", "linear_2.bias", None),
+]
+
+# LLaVA checkpoints name the same tensors several ways (hub: language_model.model.*,
+# vision_tower.vision_model.*; transformers 5.x: vision_tower.*, model.language_model.*).
+# Each is rewritten to one canonical prefix before the tables apply.
+_PREFIXES = [
+    (r"^(model\.)?language_model\.model\.", "model."),
+    (r"^model\.language_model\.", "model."),
+    (r"^(model\.)?language_model\.lm_head\.", "lm_head."),
+    (r"^(model\.)?vision_tower\.(vision_model\.)?", "vision."),
+    (r"^(model\.)?multi_modal_projector\.", "projector."),
+]
+
+
+def canonical_name(name: str) -> str:
+    for pattern, repl in _PREFIXES:
+        new, n = re.subn(pattern, repl, name)
+        if n:
+            return new
+    return name
+
+
+def llama_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    n, h, d, i = cfg.num_layers, cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    return {"embed": (cfg.vocab_size, h), "final_norm": (h,), "lm_head": (h, cfg.vocab_size),
+            "layers.attn_norm": (n, h), "layers.mlp_norm": (n, h),
+            "layers.wq": (n, h, cfg.num_heads * d), "layers.wk": (n, h, cfg.num_kv_heads * d),
+            "layers.wv": (n, h, cfg.num_kv_heads * d), "layers.wo": (n, cfg.num_heads * d, h),
+            "layers.w_gate": (n, h, i), "layers.w_up": (n, h, i), "layers.w_down": (n, i, h)}
+
+
+def clip_shapes(cfg: CLIPVisionConfig) -> dict[str, tuple[int, ...]]:
+    n, h, i = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    shapes = {"patch_embed": (cfg.num_channels * cfg.patch_size**2, h), "class_embed": (h,),
+              "pos_embed": (cfg.num_patches + 1, h), "pre_norm_w": (h,), "pre_norm_b": (h,),
+              "layers.fc1_w": (n, h, i), "layers.fc1_b": (n, i), "layers.fc2_w": (n, i, h),
+              "layers.fc2_b": (n, h)}
+    shapes.update({f"layers.{k}": (n, h, h) for k in ("wq", "wk", "wv", "wo")})
+    shapes.update({f"layers.{k}": (n, h) for k in ("bq", "bk", "bv", "bo", "ln1_w", "ln1_b", "ln2_w", "ln2_b")})
+    return shapes
+
+
+def projector_shapes(cfg: LlavaConfig) -> dict[str, tuple[int, ...]]:
+    h_in = cfg.vision.hidden_size * len(cfg.feature_layers)
+    h = cfg.text.hidden_size
+    return {"w1": (h_in, h), "b1": (h,), "w2": (h, h), "b2": (h,)}

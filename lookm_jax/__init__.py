@@ -1,0 +1,7 @@
+"""lookm-jax: LOOK-M KV-cache compression for LLaVA-style multimodal LLMs, in pure jit-compiled JAX."""
+
+from lookm_jax.cache import KVCache
+from lookm_jax.generate import DEFAULT_BUCKETS, PromptTooLongError
+from lookm_jax.loading import load, load_default
+from lookm_jax.model import GenerationResult, Model
+

@@ -1,0 +1,140 @@
+"""Prefill -> compress once -> jitted decode loop.
+
+Two compiled programs per (config, method, bucket, max_new_tokens, sampling):
+  `prefill`: embed (images spliced), encode the padded prompt, compress every layer's K/V into a
+      cache of static capacity kept + max_new_tokens, and pick the first new token.
+  `decode`:  a `lax.while_loop` appending one token per step until every row hit EOS or the limit.
+      The cache argument is donated, so XLA updates it in place instead of copying it per call.
+Arrays flow from one to the other on the device: nothing returns to the host in between.
+Prompts are right-padded to a static bucket length, so every prompt of a bucket reuses both programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lookm_jax.cache import KVCache
+from lookm_jax.models import llama, llava
+from lookm_jax.models.config import LlamaConfig, LlavaConfig
+
+DEFAULT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not fit the largest bucket."""
+
+
+def bucket_length(length: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> int:
+    """Smallest bucket >= length."""
+    for bucket in sorted(buckets):
+        if length <= bucket:
+            return bucket
+    raise PromptTooLongError(f"prompt of {length} tokens is longer than the largest bucket "
+                             f"({max(buckets)}); pass larger buckets or a shorter prompt")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """temperature 0 is greedy; otherwise softmax(logits / T) restricted to the top-p nucleus."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {self}")
+
+
+def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+    """logits [B, V] fp32 -> token ids [B] int32."""
+    if sampling.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    if sampling.top_p < 1:
+        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+        cumulative = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the top token is always kept).
+        cutoff_index = jnp.sum(cumulative < sampling.top_p, axis=-1, keepdims=True)
+        cutoff = jnp.take_along_axis(sorted_logits, cutoff_index, axis=-1)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "max_new_tokens", "sampling"))
+def prefill(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax.Array, valid: jax.Array,
+            pixel_values: jax.Array | None, key: jax.Array, *, method, max_new_tokens: int,
+            sampling: Sampling) -> tuple[jax.Array, KVCache, jax.Array]:
+    """input_ids/valid [B, L_bucket] (right-padded), pixel_values [n_images, C, H, W] or None.
+
+    Static: cfg, method (its budgets), max_new_tokens, sampling. The bucket length is the static
+    shape of input_ids. Returns (first token [B], cache, is_image [B, L_bucket]).
+    """
+    text_cfg = llava.text_config(cfg)
+    x, is_image = llava.embed(cfg, params, input_ids, pixel_values)
+    h_last, cache = llama.prefill(text_cfg, params["text"], x, valid, is_image, method,
+                                  kept_slots=method.capacity(input_ids.shape[1]),
+                                  max_new_tokens=max_new_tokens)
+    first = sample(llama.lm_logits(params["text"], h_last), jax.random.fold_in(key, 0), sampling)
+    return first, cache, is_image
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "sampling", "eos_ids"),
+                   donate_argnames=("cache",))
+def decode(cfg: LlamaConfig, params: dict, first: jax.Array, cache: KVCache, key: jax.Array, *,
+           max_new_tokens: int, sampling: Sampling,
+           eos_ids: tuple[int, ...]) -> tuple[jax.Array, jax.Array, KVCache]:
+    """Greedy/sampled decode from `first` [B]; `cache` is donated and returned advanced (its
+    buffers alias the input's: no copy), so the caller must not reuse the cache it passed in.
+
+    Static: cfg, max_new_tokens, sampling, eos_ids. Returns (tokens [B, max_new_tokens] int32, with
+    the first EOS kept and every later slot set to eos_ids[0], lengths [B] = tokens generated up to
+    and including EOS, cache).
+    """
+    eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
+    fill = eos[0]
+    tokens = jnp.zeros((first.shape[0], max_new_tokens), jnp.int32).at[:, 0].set(first)
+    done = jnp.isin(first, eos)
+    lengths = jnp.ones_like(first)
+
+    def cond(state):
+        step, _, _, done, _ = state
+        return (step < max_new_tokens) & ~jnp.all(done)
+
+    def body(state):
+        step, tokens, cache, done, lengths = state
+        x = llama.embed_tokens(params, tokens[:, step - 1][:, None])[:, 0]
+        h, cache = llama.decode_step(cfg, params, x, cache)
+        token = sample(llama.lm_logits(params, h), jax.random.fold_in(key, step), sampling)
+        token = jnp.where(done, fill, token)
+        return (step + 1, tokens.at[:, step].set(token), cache, done | jnp.isin(token, eos),
+                lengths + ~done)
+
+    init = (jnp.asarray(1, jnp.int32), tokens, cache, done, lengths)
+    _, tokens, cache, _, lengths = jax.lax.while_loop(cond, body, init)
+    # Rows that finished early leave the rest of their row at the fill id.
+    tokens = jnp.where(jnp.arange(max_new_tokens)[None] < lengths[:, None], tokens, fill)
+    return tokens, lengths, cache
+
+
+def pack_prompts(input_ids, attention_mask=None, buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+                 pad_id: int = 0):
+    """Host-side: [B, L] ids (left- or right-padded, mask 1 = real) -> right-padded numpy
+    (ids [B, bucket] int32, valid [B, bucket] bool); each row's real tokens keep their order."""
+    ids = np.asarray(input_ids, np.int32)
+    if ids.ndim != 2:
+        raise ValueError(f"input_ids must be [batch, length], got shape {ids.shape}")
+    mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
+    lengths = mask.sum(axis=1)
+    if (lengths == 0).any():
+        raise ValueError("every row needs at least one real token")
+    bucket = bucket_length(int(lengths.max()), buckets)
+    packed = np.full((ids.shape[0], bucket), pad_id, np.int32)
+    valid = np.arange(bucket)[None] < lengths[:, None]
+    packed[valid] = ids[mask]
+    return packed, valid

@@ -1,0 +1,207 @@
+"""Model configs: frozen (hashable) dataclasses read from Hugging Face config dicts.
+
+Every field of an HF config is either handled here, known to be irrelevant to the forward pass
+(metadata, dropout, init), or refused with a `ConfigError` naming it: we never silently compute
+something other than what the checkpoint's config describes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# Fields that never change the numerics of an inference forward pass.
+_METADATA_FIELDS = frozenset({
+    "_name_or_path", "architectures", "auto_map", "dtype", "torch_dtype", "transformers_version",
+    "model_type", "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
+    "initializer_factor", "attention_dropout", "dropout", "max_position_embeddings", "id2label",
+    "label2id", "output_attentions", "output_hidden_states", "return_dict", "is_decoder",
+    "is_encoder_decoder", "tokenizer_class", "chunk_size_feed_forward", "problem_type",
+    "add_cross_attention", "tie_encoder_decoder", "pruned_heads", "task_specific_params",
+    "finetuning_task", "prefix", "sep_token_id", "decoder_start_token_id", "cross_attention_hidden_size",
+    "torchscript", "use_bfloat16", "tf_legacy_loss", "_attn_implementation_autoset", "layer_types",
+})
+
+
+class ConfigError(ValueError):
+    """A checkpoint config asks for something this library does not implement."""
+
+
+def _check_fields(raw: dict[str, Any], handled: set[str], where: str) -> None:
+    unknown = sorted(set(raw) - handled - _METADATA_FIELDS)
+    if unknown:
+        raise ConfigError(f"{where}: unsupported config field(s) {unknown}; refusing to guess their meaning")
+
+
+def _require(cond: bool, where: str, field: str, value: Any, supported: str) -> None:
+    if not cond:
+        raise ConfigError(f"{where}: unsupported value {field}={value!r} (supported: {supported})")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    # Llama-3 scaling ("llama3"); factor None means no scaling.
+    factor: float | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, params: dict[str, Any] | None, where: str) -> "RopeConfig":
+        params = dict(params or {})
+        rope_type = params.pop("rope_type", params.pop("type", "default"))
+        theta = float(params.pop("rope_theta", 10000.0))
+        if rope_type == "default":
+            _check_fields(params, set(), f"{where}.rope_parameters")
+            return cls(theta=theta)
+        _require(rope_type == "llama3", where, "rope_type", rope_type, "'default', 'llama3'")
+        handled = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+        _check_fields(params, handled, f"{where}.rope_parameters")
+        return cls(theta=theta, factor=float(params["factor"]),
+                   low_freq_factor=float(params["low_freq_factor"]),
+                   high_freq_factor=float(params["high_freq_factor"]),
+                   original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    max_position_embeddings: int = 2048
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                              f"num_key_value_heads={self.num_kv_heads}")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], where: str = "text_config") -> "LlamaConfig":
+        _require(d.get("model_type", "llama") == "llama", where, "model_type", d.get("model_type"), "'llama'")
+        handled = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                   "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings",
+                   "hidden_act", "attention_bias", "mlp_bias", "pretraining_tp"}
+        _check_fields(d, handled, where)
+        _require(d.get("hidden_act", "silu") == "silu", where, "hidden_act", d.get("hidden_act"), "'silu'")
+        for flag in ("attention_bias", "mlp_bias"):
+            _require(not d.get(flag, False), where, flag, d.get(flag), "false")
+        _require(d.get("pretraining_tp", 1) == 1, where, "pretraining_tp", d.get("pretraining_tp"), "1")
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if "rope_theta" in d and "rope_theta" not in rope:
+            rope = {**rope, "rope_theta": d["rope_theta"]}
+        # Hub configs (e.g. llava-1.5's text_config) omit fields left at HF's LlamaConfig defaults.
+        heads, hidden = int(d.get("num_attention_heads", 32)), int(d.get("hidden_size", 4096))
+        eos = d.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        return cls(
+            vocab_size=int(d.get("vocab_size", 32000)),
+            hidden_size=hidden,
+            intermediate_size=int(d.get("intermediate_size", 11008)),
+            num_layers=int(d.get("num_hidden_layers", 32)),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(rope, where),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos,
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CLIPVisionConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    image_size: int
+    patch_size: int
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-5
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], where: str = "vision_config") -> "CLIPVisionConfig":
+        _require(d.get("model_type", "clip_vision_model") in ("clip_vision_model", "clip"), where,
+                 "model_type", d.get("model_type"), "'clip_vision_model'")
+        handled = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "image_size", "patch_size", "num_channels", "layer_norm_eps", "hidden_act",
+                   "projection_dim", "vocab_size"}  # projection_dim/vocab_size: unused by the tower
+        _check_fields(d, handled, where)
+        _require(d.get("hidden_act", "quick_gelu") == "quick_gelu", where, "hidden_act",
+                 d.get("hidden_act"), "'quick_gelu'")
+        # Missing fields take HF's CLIPVisionConfig defaults.
+        return cls(hidden_size=int(d.get("hidden_size", 768)), intermediate_size=int(d.get("intermediate_size", 3072)),
+                   num_layers=int(d.get("num_hidden_layers", 12)), num_heads=int(d.get("num_attention_heads", 12)),
+                   image_size=int(d.get("image_size", 224)), patch_size=int(d.get("patch_size", 32)),
+                   num_channels=int(d.get("num_channels", 3)),
+                   layer_norm_eps=float(d.get("layer_norm_eps", 1e-5)))
+
+
+@dataclasses.dataclass(frozen=True)
+class LlavaConfig:
+    text: LlamaConfig
+    vision: CLIPVisionConfig
+    image_token_id: int
+    # One int or a tuple of ints (features of those layers concatenated), as HF accepts.
+    vision_feature_layer: int | tuple[int, ...] = -2
+    vision_feature_select_strategy: str = "default"  # 'default' drops CLS, 'full' keeps it
+    projector_bias: bool = True
+
+    @property
+    def image_seq_length(self) -> int:
+        """Placeholder tokens (= projected features) per image."""
+        return self.vision.num_patches + (self.vision_feature_select_strategy == "full")
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        layer = self.vision_feature_layer
+        return tuple(layer) if isinstance(layer, tuple) else (layer,)
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "LlavaConfig":
+        where = "llava config"
+        handled = {"text_config", "vision_config", "image_token_index", "image_token_id",
+                   "vision_feature_layer", "vision_feature_select_strategy", "projector_hidden_act",
+                   "multimodal_projector_bias", "tie_word_embeddings", "image_seq_length",
+                   "ignore_index", "vocab_size"}
+        _check_fields(d, handled, where)
+        _require(d.get("projector_hidden_act", "gelu") == "gelu", where, "projector_hidden_act",
+                 d.get("projector_hidden_act"), "'gelu' (exact erf)")
+        strategy = d.get("vision_feature_select_strategy", "default")
+        _require(strategy in ("default", "full"), where, "vision_feature_select_strategy", strategy,
+                 "'default', 'full'")
+        layer = d.get("vision_feature_layer", -2)
+        layer = tuple(int(x) for x in layer) if isinstance(layer, (list, tuple)) else int(layer)
+        text = dict(d["text_config"])
+        if "tie_word_embeddings" in d:
+            text.setdefault("tie_word_embeddings", d["tie_word_embeddings"])
+        cfg = cls(text=LlamaConfig.from_hf(text), vision=CLIPVisionConfig.from_hf(d["vision_config"]),
+                  image_token_id=int(d.get("image_token_id", d.get("image_token_index", 32000))),
+                  vision_feature_layer=layer, vision_feature_select_strategy=strategy,
+                  projector_bias=bool(d.get("multimodal_projector_bias", True)))
+        for idx in cfg.feature_layers:
+            _require(-(cfg.vision.num_layers + 1) <= idx <= cfg.vision.num_layers, where,
+                     "vision_feature_layer", layer, f"indices into {cfg.vision.num_layers + 1} hidden states")
+        return cfg

@@ -1,0 +1,211 @@
+"""Llama-family decoder (Llama 2/3, Vicuna, SmolLM2) as pure functions of a params pytree.
+
+Params (layers stacked on a leading axis N so the decoder is one `lax.scan`; weights [in, out]):
+    embed [V, H]; final_norm [H]; lm_head [H, V] (absent when tied to embed)
+    layers: attn_norm [N, H], wq [N, H, Hq*D], wk/wv [N, H, Hkv*D], wo [N, Hq*D, H],
+            mlp_norm [N, H], w_gate/w_up [N, H, I], w_down [N, I, H]
+
+Three entry points share the layer body: `forward` (whole sequence, no cache: logits API),
+`prefill` (whole padded prompt, writes a possibly compressed cache) and `decode_step` (one token).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lookm_jax.cache import KVCache
+from lookm_jax.models.config import LlamaConfig, RopeConfig
+from lookm_jax.models.layers import linear, rms_norm
+
+# Query block of the prefill attention: scores are [B, Hq, block, L], never [B, Hq, L, L].
+ATTENTION_BLOCK = 512
+_MASKED = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """[D/2] float32 inverse frequencies, with Llama-3 scaling when configured (HF's formula)."""
+    inv_freq = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    inv_freq = inv_freq.astype(np.float32)
+    if rope.factor is None:
+        return inv_freq
+    old_len = rope.original_max_position_embeddings
+    low_wavelen, high_wavelen = old_len / rope.low_freq_factor, old_len / rope.high_freq_factor
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_tables(cfg: LlamaConfig, positions: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """positions [B, L] -> cos, sin [B, 1, L, D] (HF's rotate-half layout), computed in fp32."""
+    angles = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg.rope, cfg.head_dim)
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, None]
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, H, L, D] rotated by the tables [B, 1, L, D]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax attention with GQA, softmax in fp32.
+
+    q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D], mask bool broadcastable to [B, Hkv, 1, Lq, Lk]
+    -> [B, Hq, Lq, D]. Query heads of a group share their KV head (no K/V repeat is materialised).
+    """
+    b, hq, lq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, hq // hkv, lq, d)
+    scores = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k, preferred_element_type=jnp.float32) * d**-0.5
+    probs = jax.nn.softmax(jnp.where(mask, scores, _MASKED), axis=-1).astype(v.dtype)
+    return jnp.einsum("bhgqk,bhkd->bhgqd", probs, v).reshape(b, hq, lq, d)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
+                     block: int = ATTENTION_BLOCK) -> jax.Array:
+    """Causal self-attention over a padded prompt, in query blocks (memory O(L x block)).
+
+    q [B, Hq, L, D], k/v [B, Hkv, L, D], valid [B, L] (padding keys are never attended).
+    """
+    length = q.shape[2]
+    key_ok = valid[:, None, None, None, :]  # [B, 1, 1, 1, L]
+    if length <= block:
+        causal = jnp.tril(jnp.ones((length, length), bool))
+        return attend(q, k, v, causal & key_ok)
+    n_blocks = -(-length // block)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, n_blocks * block - length), (0, 0)))
+    q_blocks = jnp.moveaxis(q.reshape(*q.shape[:2], n_blocks, block, q.shape[-1]), 2, 0)
+
+    def one_block(args):
+        index, q_block = args  # q_block [B, Hq, block, D]
+        rows = index * block + jnp.arange(block)
+        causal = rows[:, None] >= jnp.arange(length)[None, :]  # [block, L]
+        return attend(q_block, k, v, causal & key_ok)
+
+    out = jax.lax.map(one_block, (jnp.arange(n_blocks), q_blocks))  # [nb, B, Hq, block, D]
+    out = jnp.moveaxis(out, 0, 2).reshape(*q.shape[:2], n_blocks * block, q.shape[-1])
+    return out[:, :, :length]
+
+
+def _project_qkv(cfg: LlamaConfig, lp: dict, h: jax.Array, cos: jax.Array, sin: jax.Array):
+    """h [B, L, H] -> RoPE'd q [B, Hq, L, D], k [B, Hkv, L, D], v [B, Hkv, L, D]."""
+    b, length, _ = h.shape
+    x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+
+    def heads(w, n):
+        return linear(x, w).reshape(b, length, n, cfg.head_dim).transpose(0, 2, 1, 3)
+
+    q = apply_rope(heads(lp["wq"], cfg.num_heads), cos, sin)
+    k = apply_rope(heads(lp["wk"], cfg.num_kv_heads), cos, sin)
+    return q, k, heads(lp["wv"], cfg.num_kv_heads)
+
+
+def _finish_layer(cfg: LlamaConfig, lp: dict, h: jax.Array, attn: jax.Array) -> jax.Array:
+    """Residual output projection, then the SwiGLU MLP block. attn [B, Hq, L, D] -> h [B, L, H]."""
+    b, _, length, _ = attn.shape
+    h = h + linear(attn.transpose(0, 2, 1, 3).reshape(b, length, -1), lp["wo"])
+    x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+    return h + linear(jax.nn.silu(linear(x, lp["w_gate"])) * linear(x, lp["w_up"]), lp["w_down"])
+
+
+def final_hidden(cfg: LlamaConfig, params: dict, h: jax.Array) -> jax.Array:
+    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+
+
+def lm_logits(params: dict, h: jax.Array) -> jax.Array:
+    """Final-normed hidden [..., H] -> fp32 logits [..., V] (tied or untied head)."""
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return jnp.einsum("...h,hv->...v", h, head, preferred_element_type=jnp.float32)
+
+
+def embed_tokens(params: dict, ids: jax.Array) -> jax.Array:
+    """ids [B, L] -> [B, L, H]; ids outside the vocab (e.g. an appended <image> id) read row 0."""
+    vocab = params["embed"].shape[0]
+    return params["embed"][jnp.where(ids < vocab, ids, 0)]
+
+
+def forward(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array) -> jax.Array:
+    """Whole-sequence pass without cache. x [B, L, H] embeddings, valid [B, L] -> normed h [B, L, H]."""
+    positions = jnp.broadcast_to(jnp.arange(x.shape[1]), valid.shape)
+    cos, sin = rope_tables(cfg, positions, x.dtype)
+
+    def layer(h, lp):
+        q, k, v = _project_qkv(cfg, lp, h, cos, sin)
+        return _finish_layer(cfg, lp, h, causal_attention(q, k, v, valid)), None
+
+    h, _ = jax.lax.scan(layer, x, params["layers"])
+    return final_hidden(cfg, params, h)
+
+
+CompressFn = Callable[..., object]  # (q, k, v, is_image, valid) -> CompressedKV for one layer
+
+
+def prefill(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array, is_image: jax.Array,
+            compress: CompressFn, kept_slots: int, max_new_tokens: int) -> tuple[jax.Array, KVCache]:
+    """Encode a right-padded prompt and build the decode cache, compressing each layer once.
+
+    x [B, L, H] embeddings, valid/is_image [B, L]. `compress(q, k, v, is_image, valid)` returns the
+    layer's kept slots (keys/values [B, Hkv, kept_slots, D], positions [B, Hkv, kept_slots]); it runs
+    inside the layer scan, so only one layer's uncompressed K/V exists at a time. The cache has
+    static capacity kept_slots + max_new_tokens. Returns (normed last-token hidden [B, H], cache).
+    """
+    b, length, _ = x.shape
+    positions = jnp.broadcast_to(jnp.arange(length), (b, length))
+    cos, sin = rope_tables(cfg, positions, x.dtype)
+    cache = KVCache.empty(cfg.num_layers, b, cfg.num_kv_heads, kept_slots + max_new_tokens,
+                          cfg.head_dim, x.dtype)
+
+    def layer(carry, inputs):
+        h, cache = carry
+        index, lp = inputs
+        q, k, v = _project_qkv(cfg, lp, h, cos, sin)
+        kept = compress(q, k, v, is_image, valid)
+        cache = cache.replace(
+            keys=jax.lax.dynamic_update_slice(cache.keys, kept.keys[None].astype(x.dtype), (index, 0, 0, 0, 0)),
+            values=jax.lax.dynamic_update_slice(cache.values, kept.values[None].astype(x.dtype), (index, 0, 0, 0, 0)),
+            positions=jax.lax.dynamic_update_slice(cache.positions, kept.positions[None], (index, 0, 0, 0)))
+        return (_finish_layer(cfg, lp, h, causal_attention(q, k, v, valid)), cache), None
+
+    layer_ids = jnp.arange(cfg.num_layers)
+    (h, cache), _ = jax.lax.scan(layer, (x, cache), (layer_ids, params["layers"]))
+    lengths = valid.sum(axis=1).astype(jnp.int32)  # [B]
+    last = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+    cache = cache.replace(cursor=jnp.asarray(kept_slots, jnp.int32), next_position=lengths)
+    return final_hidden(cfg, params, last), cache
+
+
+def decode_step(cfg: LlamaConfig, params: dict, x: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Append one token per row. x [B, H] embeddings -> (normed hidden [B, H], cache advanced by one)."""
+    b = x.shape[0]
+    cos, sin = rope_tables(cfg, cache.next_position[:, None], x.dtype)
+    slot = cache.cursor
+    new_positions = jnp.broadcast_to(cache.next_position[:, None], (b, cfg.num_kv_heads))
+
+    def layer(carry, inputs):
+        h, cache = carry
+        index, lp = inputs
+        q, k, v = _project_qkv(cfg, lp, h, cos, sin)  # q [B, Hq, 1, D], k/v [B, Hkv, 1, D]
+        cache = cache.replace(
+            keys=jax.lax.dynamic_update_slice(cache.keys, k[None], (index, 0, 0, slot, 0)),
+            values=jax.lax.dynamic_update_slice(cache.values, v[None], (index, 0, 0, slot, 0)),
+            positions=jax.lax.dynamic_update_slice(cache.positions, new_positions[None, ..., None],
+                                                   (index, 0, 0, slot)))
+        layer_k = jax.lax.dynamic_index_in_dim(cache.keys, index, keepdims=False)
+        layer_v = jax.lax.dynamic_index_in_dim(cache.values, index, keepdims=False)
+        layer_mask = jax.lax.dynamic_index_in_dim(cache.positions, index, keepdims=False) >= 0
+        attn = attend(q, layer_k, layer_v, layer_mask[:, :, None, None, :])
+        return (_finish_layer(cfg, lp, h, attn), cache), None
+
+    layer_ids = jnp.arange(cfg.num_layers)
+    (h, cache), _ = jax.lax.scan(layer, (x[:, None], cache), (layer_ids, params["layers"]))
+    cache = cache.replace(cursor=slot + 1, next_position=cache.next_position + 1)
+    return final_hidden(cfg, params, h[:, 0]), cache
