@@ -21,8 +21,8 @@ from lookm_jax.cache import KVCache
 from lookm_jax.models.config import LlamaConfig, RopeConfig
 from lookm_jax.models.layers import linear, rms_norm
 
-# Query block of the prefill attention: scores are [B, Hq, block, L], never [B, Hq, L, L].
-ATTENTION_BLOCK = 512
+# Query block of the prefill attention: scores are [B, Hq, block, <=L], never [B, Hq, L, L].
+ATTENTION_BLOCK = 256
 _MASKED = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
 
 
@@ -60,40 +60,35 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     """Softmax attention with GQA, softmax in fp32.
 
     q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D], mask bool broadcastable to [B, Hkv, 1, Lq, Lk]
-    -> [B, Hq, Lq, D]. Query heads of a group share their KV head (no K/V repeat is materialised).
+    -> [B, Hq, Lq, D]. A group's query heads are stacked along the query axis, so each KV head is
+    one plain matmul and no K/V repeat is materialised.
     """
     b, hq, lq, d = q.shape
-    hkv = k.shape[1]
-    qg = q.reshape(b, hkv, hq // hkv, lq, d)
-    scores = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k, preferred_element_type=jnp.float32) * d**-0.5
-    probs = jax.nn.softmax(jnp.where(mask, scores, _MASKED), axis=-1).astype(v.dtype)
-    return jnp.einsum("bhgqk,bhkd->bhgqd", probs, v).reshape(b, hq, lq, d)
+    hkv, lk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qg = q.reshape(b, hkv, g * lq, d)
+    scores = jnp.einsum("bhqd,bhkd->bhqk", qg, k, preferred_element_type=jnp.float32) * d**-0.5
+    scores = jnp.where(mask, scores.reshape(b, hkv, g, lq, lk), _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hkv, g * lq, lk)
+    return jnp.einsum("bhqk,bhkd->bhqd", probs, v).reshape(b, hq, lq, d)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
                      block: int = ATTENTION_BLOCK) -> jax.Array:
-    """Causal self-attention over a padded prompt, in query blocks (memory O(L x block)).
+    """Causal self-attention over a padded prompt, one query block at a time.
 
     q [B, Hq, L, D], k/v [B, Hkv, L, D], valid [B, L] (padding keys are never attended).
+    Query block i only reads keys [0, end of block i): the blocks are unrolled at trace time (L is
+    static), so the masked upper triangle is never computed and memory is O(L x block).
     """
     length = q.shape[2]
-    key_ok = valid[:, None, None, None, :]  # [B, 1, 1, 1, L]
-    if length <= block:
-        causal = jnp.tril(jnp.ones((length, length), bool))
-        return attend(q, k, v, causal & key_ok)
-    n_blocks = -(-length // block)
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, n_blocks * block - length), (0, 0)))
-    q_blocks = jnp.moveaxis(q.reshape(*q.shape[:2], n_blocks, block, q.shape[-1]), 2, 0)
-
-    def one_block(args):
-        index, q_block = args  # q_block [B, Hq, block, D]
-        rows = index * block + jnp.arange(block)
-        causal = rows[:, None] >= jnp.arange(length)[None, :]  # [block, L]
-        return attend(q_block, k, v, causal & key_ok)
-
-    out = jax.lax.map(one_block, (jnp.arange(n_blocks), q_blocks))  # [nb, B, Hq, block, D]
-    out = jnp.moveaxis(out, 0, 2).reshape(*q.shape[:2], n_blocks * block, q.shape[-1])
-    return out[:, :, :length]
+    outs = []
+    for start in range(0, length, block):
+        end = min(start + block, length)
+        causal = jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :]  # [Lq, end]
+        mask = causal & valid[:, None, None, None, :end]
+        outs.append(attend(q[:, :, start:end], k[:, :, :end], v[:, :, :end], mask))
+    return jnp.concatenate(outs, axis=2)
 
 
 def _project_qkv(cfg: LlamaConfig, lp: dict, h: jax.Array, cos: jax.Array, sin: jax.Array):

@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny random HF PyTorch models built from configs (never a hub id)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+
+IMAGE_TOKEN = 250  # last id of the tiny vocab
+
+
+def tiny_llava(folder, *, heads=4, kv_heads=2, feature_layer=-2, strategy="default", layers=2,
+               vision_layers=3, tie=False, seed=0, **text_overrides):
+    """Build, save and return a tiny random `LlavaForConditionalGeneration` (eval mode, fp32)."""
+    import torch
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = LlamaConfig(hidden_size=48, intermediate_size=80, num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, vocab_size=IMAGE_TOKEN + 1, rope_theta=1000.0,
+                       rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=None, eos_token_id=None,
+                       pad_token_id=None, **text_overrides)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=56, num_hidden_layers=vision_layers,
+                              num_attention_heads=4, image_size=30, patch_size=6)  # 25 patches
+    config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=IMAGE_TOKEN,
+                         vision_feature_layer=feature_layer, vision_feature_select_strategy=strategy)
+    model = LlavaForConditionalGeneration(config).eval()
+    # Random init leaves small norms/embeddings; widen them so the test sees real signal.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.uniform_(0.5, 1.5)
+            elif "embed" in name:
+                p.normal_(0, 1.0)
+    model.save_pretrained(str(folder))
+    return model
+
+
+def image_ids(n_tokens_per_image: int, segments: list) -> np.ndarray:
+    """segments: ints (text token ids) and the string 'img' -> a flat id list with expanded images."""
+    out = []
+    for s in segments:
+        out.extend([IMAGE_TOKEN] * n_tokens_per_image if s == "img" else [s])
+    return np.asarray(out, np.int32)
+
+
+@pytest.fixture(scope="session")
+def rng():
+    return np.random.default_rng(1234)
