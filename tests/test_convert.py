@@ -1,0 +1,130 @@
+"""HF checkpoint conversion: naming variants, shards, refusals, converted save/reload, atomic writes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import lookm_jax
+from conftest import tiny_llava
+from lookm_jax.convert import store
+from lookm_jax.convert.hf import CheckpointError
+from lookm_jax.models.config import ConfigError
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ckpt")
+    tiny_llava(folder)
+    return folder
+
+
+def copy_with(src, dst, rename=None, shards=1, drop=(), config_edit=None):
+    """Rewrite a checkpoint folder: renamed tensor keys, n shards + index, dropped tensors, config edits."""
+    os.makedirs(dst, exist_ok=True)
+    tensors = {(rename(k) if rename else k): v for k, v in load_file(os.path.join(src, "model.safetensors")).items()
+               if k not in drop}
+    config = json.load(open(os.path.join(src, "config.json")))
+    if config_edit:
+        config_edit(config)
+    json.dump(config, open(os.path.join(dst, "config.json"), "w"))
+    if shards == 1:
+        save_file(tensors, os.path.join(dst, "model.safetensors"))
+        return
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        shard = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[i::shards]
+        save_file({k: tensors[k] for k in part}, os.path.join(dst, shard))
+        weight_map.update({k: shard for k in part})
+    json.dump({"weight_map": weight_map}, open(os.path.join(dst, "model.safetensors.index.json"), "w"))
+
+
+def assert_same_params(a, b):
+    flat_a, flat_b = store.flatten(a.params), store.flatten(b.params)
+    assert flat_a.keys() == flat_b.keys()
+    for k in flat_a:
+        np.testing.assert_array_equal(flat_a[k], flat_b[k], err_msg=k)
+
+
+@pytest.mark.parametrize("style", ["hub", "transformers5_model_prefix"])
+def test_naming_variants_and_shards_give_identical_params(checkpoint, tmp_path, style):
+    def rename(k):
+        if style == "hub":  # llava-hf on the hub: vision_tower.vision_model.*
+            return k.replace("vision_tower.", "vision_tower.vision_model.")
+        return "model." + k.replace("language_model.model.", "language_model.") if not k.startswith(
+            "language_model.lm_head") else "lm_head.weight"
+
+    copy_with(checkpoint, tmp_path, rename=rename, shards=3)
+    assert_same_params(lookm_jax.load(str(checkpoint)), lookm_jax.load(str(tmp_path)))
+
+
+def test_missing_shard(checkpoint, tmp_path):
+    copy_with(checkpoint, tmp_path, shards=2)
+    os.remove(tmp_path / "model-00002-of-00002.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing shard\(s\) \['model-00002-of-00002.safetensors'\]"):
+        lookm_jax.load(str(tmp_path))
+
+
+def test_corrupt_shard(checkpoint, tmp_path):
+    copy_with(checkpoint, tmp_path, shards=2)
+    shard = tmp_path / "model-00001-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="model-00001-of-00002.safetensors: corrupt"):
+        lookm_jax.load(str(tmp_path))
+
+
+def test_missing_tensor_is_named(checkpoint, tmp_path):
+    copy_with(checkpoint, tmp_path, drop=("multi_modal_projector.linear_2.weight",))
+    with pytest.raises(CheckpointError, match="projector.linear_2.weight"):
+        lookm_jax.load(str(tmp_path))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["text_config"].update(sliding_window=128), r"unsupported config field\(s\) \['sliding_window'\]"),
+    (lambda c: c["text_config"].update(attention_bias=True), "attention_bias=True"),
+    (lambda c: c["text_config"].update(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}),
+     "rope_type='yarn'"),
+    (lambda c: c.update(projector_hidden_act="relu"), "projector_hidden_act='relu'"),
+    (lambda c: c["vision_config"].update(hidden_act="gelu"), "hidden_act='gelu'"),
+    (lambda c: c.update(vision_feature_select_strategy="pooled"), "vision_feature_select_strategy='pooled'"),
+])
+def test_unsupported_config_is_refused(checkpoint, tmp_path, edit, message):
+    copy_with(checkpoint, tmp_path, config_edit=edit)
+    with pytest.raises(ConfigError, match=message):
+        lookm_jax.load(str(tmp_path))
+
+
+def test_converted_round_trip(checkpoint, tmp_path):
+    model = lookm_jax.load(str(checkpoint))
+    model.save(str(tmp_path / "converted"))
+    again = lookm_jax.load(str(tmp_path / "converted"))
+    assert again.config == model.config
+    assert_same_params(model, again)
+    ids = np.asarray([[3, 4, 5]], np.int32)
+    np.testing.assert_array_equal(again.logits(ids), model.logits(ids))
+
+
+def test_interrupted_save_leaves_nothing(checkpoint, tmp_path, monkeypatch):
+    model = lookm_jax.load(str(checkpoint))
+    target = tmp_path / "converted"
+
+    def fail(*args, **kwargs):
+        raise KeyboardInterrupt  # e.g. the user hits Ctrl-C while the params are written
+
+    monkeypatch.setattr(store, "save_file", fail)
+    with pytest.raises(KeyboardInterrupt):
+        model.save(str(target))
+    assert os.listdir(tmp_path) == []  # neither the target nor a temporary folder remains
+
+
+def test_corrupt_converted_folder(checkpoint, tmp_path):
+    lookm_jax.load(str(checkpoint)).save(str(tmp_path / "c"))
+    (tmp_path / "c" / store.PARAMS).write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="corrupt or missing params.safetensors"):
+        lookm_jax.load(str(tmp_path / "c"))
