@@ -80,11 +80,11 @@ def apply_table(tensors: dict[str, np.ndarray], table, prefix: str, num_layers: 
         if missing:
             raise CheckpointError(f"checkpoint lacks tensor(s) {missing[:3]}{'...' if len(missing) > 3 else ''}")
         arrays = [(transform or (lambda a: a))(tensors.pop(n)) for n in names]
-        value = np.stack(arrays) if "{i}" in hf_name else arrays[0]
+        value = np.stack(arrays) if "{i}" in hf_name else np.ascontiguousarray(arrays[0])
         if value.shape != shapes[ours]:
             raise CheckpointError(f"{names[0]}: shape {value.shape} after mapping to {ours!r}, "
                                   f"config implies {shapes[ours]}")
-        _set(params, ours, value.astype(dtype))
+        _set(params, ours, value.astype(dtype, copy=False))
     return params
 
 

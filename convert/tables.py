@@ -18,13 +18,13 @@ Transform = Callable[[np.ndarray], np.ndarray] | None
 
 
 def _t(w: np.ndarray) -> np.ndarray:
-    """torch Linear [out, in] -> ours [in, out]."""
-    return np.ascontiguousarray(w.T)
+    """torch Linear [out, in] -> ours [in, out] (a view; made contiguous once, when stacked)."""
+    return w.T
 
 
 def _conv_to_matrix(w: np.ndarray) -> np.ndarray:
     """Patch conv [Hv, C, p, p] -> [C*p*p, Hv], matching `clip.patchify`'s (C, p, p) order."""
-    return np.ascontiguousarray(w.reshape(w.shape[0], -1).T)
+    return w.reshape(w.shape[0], -1).T
 
 
 LLAMA_TABLE: list[tuple[str, str, Transform]] = [

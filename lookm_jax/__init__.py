@@ -5,3 +5,8 @@ from lookm_jax.generate import DEFAULT_BUCKETS, PromptTooLongError
 from lookm_jax.loading import load, load_default
 from lookm_jax.model import GenerationResult, Model
 
+
+# compression core
+from lookm_jax.scoring import attention_scores
+from lookm_jax.compress import compress_kv, CompressedKV
+from lookm_jax.methods import get_method, METHODS

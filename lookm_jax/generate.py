@@ -22,7 +22,8 @@ from lookm_jax.cache import KVCache
 from lookm_jax.models import llama, llava
 from lookm_jax.models.config import LlamaConfig, LlavaConfig
 
-DEFAULT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Static prompt lengths: powers of two and the midpoints between them, so padding wastes < 1/3.
+DEFAULT_BUCKETS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 
 
 class PromptTooLongError(ValueError):

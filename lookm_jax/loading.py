@@ -27,6 +27,9 @@ DEMO_VISION = {"model_type": "clip_vision_model", "hidden_size": 128, "intermedi
                "num_hidden_layers": 3, "num_attention_heads": 4, "image_size": 224, "patch_size": 14}
 DEMO_IMAGE_PROCESSOR = {"size": {"shortest_edge": 224}, "crop_size": {"height": 224, "width": 224}}
 DEMO_SEED = 0
+# Bump when the demo's construction or the GGUF conversion changes: a cached demo of another build
+# (or from another GGUF file) is rebuilt instead of silently reused.
+DEMO_BUILD = 1
 
 
 def cache_dir() -> str:
@@ -42,7 +45,9 @@ def _tokenizer_from_json(tokenizer_json: str | None):
 
 
 def _to_jax(params: dict, dtype) -> dict:
-    return jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+    """One batched host->device transfer (far faster here than per-array jnp.asarray), then cast."""
+    params = jax.device_put(params)
+    return jax.tree.map(lambda a: a if a.dtype == dtype else a.astype(dtype), params)
 
 
 def _from_manifest(manifest: dict, params: dict, tokenizer, dtype) -> Model:
@@ -132,14 +137,24 @@ def build_demo(gguf_path: str | None = None) -> tuple[dict, dict, str]:
               **_demo_vision_params(hf_config)}
     manifest = {"hf_config": hf_config, "chat_template": ckpt.chat_template,
                 "image_processor": DEMO_IMAGE_PROCESSOR, "vision_untrained": True,
-                "source": os.path.abspath(gguf_path or smollm2_gguf_path())}
+                "source": os.path.abspath(gguf_path or smollm2_gguf_path()), "demo_build": _demo_build_id()}
     return manifest, params, tokenizer.to_str()
+
+
+def _demo_build_id() -> str:
+    from lookm_jax.convert.gguf import smollm2_gguf_path
+
+    stat = os.stat(smollm2_gguf_path())
+    return f"{DEMO_BUILD}:{stat.st_size}:{int(stat.st_mtime)}"
 
 
 def load_default(dtype=jnp.float32) -> Model:
     """The embedded demo model, offline: converted from the GGUF on first use, then cached."""
     path = os.path.join(cache_dir(), DEMO_NAME)
-    if not store.is_converted(path):
-        manifest, params, tokenizer_json = build_demo()
-        store.save_converted(path, params, manifest, tokenizer_json)
-    return load(path, dtype)
+    if store.is_converted(path):
+        model = load(path, dtype)
+        if model.manifest.get("demo_build") == _demo_build_id():
+            return model
+    manifest, params, tokenizer_json = build_demo()
+    store.save_converted(path, params, manifest, tokenizer_json)
+    return _from_manifest(manifest, params, _tokenizer_from_json(tokenizer_json), dtype)

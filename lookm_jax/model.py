@@ -166,7 +166,7 @@ class Model:
     def encode_chat(self, prompt: str, num_images: int = 0) -> np.ndarray:
         """A user turn with `num_images` images before the text -> ids [1, L], each image expanded to
         its placeholder tokens, rendered with the model's chat template."""
-        from lookm_jax.convert.gguf import apply_chat_template
+        from lookm_jax.convert.tokenizer import apply_chat_template
 
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer; pass input_ids")

@@ -1,0 +1,120 @@
+"""One-shot compression of a layer's prompt cache: select -> gather -> merge."""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lookm_jax.merge import MERGES, merge_evicted
+from lookm_jax.select import select_slots
+
+
+@flax.struct.dataclass
+class CompressedKV:
+    """A layer's compressed prompt cache; slots are in original-position order per head."""
+
+    keys: jax.Array  # [B, Hkv, S, D], RoPE of the original positions; 0 in empty slots
+    values: jax.Array  # [B, Hkv, S, Dv]; 0 in empty slots
+    positions: jax.Array  # [B, Hkv, S] int32 original prompt index, -1 = empty
+    mask: jax.Array  # [B, Hkv, S] bool, True = occupied
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+
+def _static_capacity(n_recent, n_important, length: int) -> int:
+    try:
+        total = np.asarray(n_recent) + np.asarray(n_important)
+    except jax.errors.TracerArrayConversionError as e:
+        raise ValueError("pass capacity= when n_recent / n_important are traced") from e
+    return min(int(total.max()), length)
+
+
+def compress_kv(
+    keys: jax.Array,
+    values: jax.Array,
+    scores: jax.Array,
+    *,
+    is_image: jax.Array,
+    valid: jax.Array,
+    n_recent,
+    n_important,
+    text_prior: bool = True,
+    merge: str | None = None,
+    n_sink: int = 0,
+    similarity_filter: bool = False,
+    keep_all_text: bool = False,
+    capacity: int | None = None,
+    block: int = 128,
+) -> CompressedKV:
+    """Compress a prompt cache to a static number of slots per KV head (LOOK-M eq. 5-12).
+
+    Keeps, per row and head, the last M valid tokens and the top N of the rest by ``scores``
+    (rules and deterministic tie-breaking in ``lookm_jax.select``), then optionally merges every
+    evicted pair into its most similar kept pair (``lookm_jax.merge``).
+
+    Args:
+      keys: [B, Hkv, L, D]; values: [B, Hkv, L, Dv]; scores: [B, Hkv, L] (e.g. ``attention_scores``).
+      is_image, valid: [B, L] bool.
+      n_recent, n_important: M and N, a Python int (all rows) or a [B] int array (per row).
+      text_prior: eq. 5, every text token outranks every image token.
+      merge: None (evict only) | "averaged" | "pivotal" | "weighted".
+      n_sink: the first n_sink valid tokens are always kept, counted within N (authors' code
+        keeps 4 in its non-text-prior merge variants). Default 0: off.
+      similarity_filter: merge only evicted tokens whose head-averaged best cosine is >= its mean
+        over the row's evicted tokens, dropping the rest (authors' code, averaged and weighted
+        merges). Requires ``merge``. Default off.
+      keep_all_text: keep every text token even when they exceed N (authors' code); the cache
+        then overruns M + N, so give ``capacity`` (S_max); rows beyond it are truncated by rank.
+        Requires ``text_prior``. Default off.
+      capacity: static S. Default: max over rows of M + N (needs concrete M, N), clipped to L.
+      block: static token block of the similarity scan.
+
+    The wrapper resolves the static capacity and then calls a jitted core whose static args are
+    capacity, text_prior, merge, n_sink, similarity_filter, keep_all_text and block.
+    """
+    if merge is not None and merge not in MERGES:
+        raise ValueError(f"merge must be None or one of {MERGES}, got {merge!r}")
+    if similarity_filter and merge is None:
+        raise ValueError("similarity_filter needs a merge mode")
+    if keep_all_text and not text_prior:
+        raise ValueError("keep_all_text needs text_prior=True")
+    b, _, length, _ = keys.shape
+    if capacity is None:
+        capacity = _static_capacity(n_recent, n_important, length)
+    n_recent = jnp.broadcast_to(jnp.asarray(n_recent, jnp.int32), (b,))
+    n_important = jnp.broadcast_to(jnp.asarray(n_important, jnp.int32), (b,))
+    return _compress(
+        keys, values, scores, is_image, valid, n_recent, n_important,
+        capacity=int(capacity), text_prior=text_prior, merge=merge, n_sink=n_sink,
+        similarity_filter=similarity_filter, keep_all_text=keep_all_text, block=block,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("capacity", "text_prior", "merge", "n_sink", "similarity_filter", "keep_all_text", "block"),
+)
+def _compress(keys, values, scores, is_image, valid, n_recent, n_important, *, capacity, text_prior, merge,
+              n_sink, similarity_filter, keep_all_text, block) -> CompressedKV:
+    sel = select_slots(
+        scores, valid, is_image, n_recent, n_important,
+        capacity=capacity, text_prior=text_prior, n_sink=n_sink, keep_all_text=keep_all_text,
+    )
+    idx = sel.indices[..., None]  # [B, Hkv, S, 1]
+    occupied = sel.mask[..., None]
+    kept_keys = jnp.where(occupied, jnp.take_along_axis(keys, idx, axis=2), 0)  # [B, Hkv, S, D]
+    kept_values = jnp.where(occupied, jnp.take_along_axis(values, idx, axis=2), 0)  # [B, Hkv, S, Dv]
+    if merge is not None:
+        evicted = valid[:, None, :] & ~sel.kept  # [B, Hkv, L]
+        kept_keys, kept_values = merge_evicted(
+            keys, values, kept_keys, kept_values, sel.mask, evicted,
+            mode=merge, use_similarity_filter=similarity_filter, block=block,
+        )
+    positions = jnp.where(sel.mask, sel.indices, -1).astype(jnp.int32)
+    return CompressedKV(kept_keys, kept_values, positions, sel.mask)

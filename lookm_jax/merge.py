@@ -1,0 +1,126 @@
+"""Folding evicted KV pairs into kept ones (LOOK-M eq. 9-12).
+
+Eq. 9: each evicted key k_e (per head) is assigned to the kept key of that head with the highest
+cosine similarity c_e (ties: lowest slot, i.e. lowest position; a zero key has cosine 0 with
+everything). Its value goes to the same slot. With n_s evicted pairs assigned to kept slot s,
+the multi-assignment form of the authors' code (mean over the kept pair and its merged pairs):
+
+  averaged (eq. 10): k_s <- (k_s + sum_e k_e) / (1 + n_s)
+  pivotal  (eq. 11): k_s <- (k_s + sum_e (k_e + k_s) / 2) / (1 + n_s)
+  weighted (eq. 12): k_s <- (k_s + sum_e c_e k_e) / (1 + n_s)
+
+and the same for values with the keys' assignment and weights. Averaged and pivotal are convex
+combinations. Weighted is not: its weights sum to (1 + sum_e c_e) / (1 + n_s) <= 1, and a
+negative cosine (an evicted key at an obtuse angle to every kept key) enters with a negative
+weight: the evicted key and value are *subtracted*, pushing the merged pair away from the evicted
+one while still counting in the 1 / (1 + n_s) denominator, so the result also shrinks. This is
+eq. 12 taken literally, as the authors' code does; it is not clipped.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+MERGES = ("averaged", "pivotal", "weighted")
+
+
+def _unit(x: jax.Array) -> jax.Array:
+    x = x.astype(jnp.float32)
+    return x * lax.rsqrt(jnp.maximum((x * x).sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny))
+
+
+def assign(keys: jax.Array, kept_keys: jax.Array, slot_mask: jax.Array, *, block: int) -> tuple[jax.Array, jax.Array]:
+    """Most cosine-similar kept slot of every token (eq. 9), blockwise over tokens.
+
+    keys [B, H, L, D], kept_keys [B, H, S, D], slot_mask [B, H, S]; block: static tokens per scan
+    step (memory O(block x S)). Returns target [B, H, L] int32 and its cosine [B, H, L] fp32
+    (-inf where a head has no kept slot).
+    """
+    b, h, l, d = keys.shape
+    n_blk = -(-l // block)
+    k = jnp.pad(_unit(keys), ((0, 0), (0, 0), (0, n_blk * block - l), (0, 0)))
+    k = jnp.moveaxis(k.reshape(b, h, n_blk, block, d), 2, 0)  # [n_blk, B, H, blk, D]
+    kk = _unit(kept_keys)  # [B, H, S, D]
+
+    def step(_, kb):
+        sim = jnp.einsum("bhld,bhsd->bhls", kb, kk, precision=lax.Precision.HIGHEST)
+        sim = jnp.where(slot_mask[:, :, None, :], sim, -jnp.inf)  # [B, H, blk, S]
+        return None, (jnp.argmax(sim, -1).astype(jnp.int32), sim.max(-1))
+
+    _, (target, cos) = lax.scan(step, None, k)
+    target = jnp.moveaxis(target, 0, 2).reshape(b, h, -1)[..., :l]
+    cos = jnp.moveaxis(cos, 0, 2).reshape(b, h, -1)[..., :l]
+    return target, cos
+
+
+def similarity_filter(evicted: jax.Array, cos: jax.Array) -> jax.Array:
+    """Authors'-code filter: which evicted tokens may merge ([B, H, L] bool).
+
+    Every head of a row evicts the same number E of tokens; the t-th evicted token of each head
+    (position order) gets m_t = mean over heads of its best cosine. Evicted tokens whose m_t is
+    below the row mean of m_t (over t < E) are dropped instead of merged.
+    """
+    b, h, l = evicted.shape
+    rank = jnp.where(evicted, jnp.cumsum(evicted, -1) - 1, l)  # [B, H, L]; l = not evicted
+    bi = jnp.arange(b)[:, None, None]
+    hi = jnp.arange(h)[None, :, None]
+    by_rank = jnp.zeros((b, h, l), jnp.float32).at[bi, hi, rank].set(cos, mode="drop")
+    m = by_rank.mean(1)  # [B, L] m_t
+    n_evicted = evicted[:, 0].sum(-1)  # [B] = E
+    live = jnp.arange(l)[None, :] < n_evicted[:, None]
+    threshold = jnp.where(live, m, 0.0).sum(-1) / jnp.maximum(n_evicted, 1)  # [B]
+    passes = m >= threshold[:, None]  # [B, L] per rank
+    return evicted & jnp.take_along_axis(passes[:, None, :], jnp.minimum(rank, l - 1), axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "use_similarity_filter", "block"))
+def merge_evicted(
+    keys: jax.Array,
+    values: jax.Array,
+    kept_keys: jax.Array,
+    kept_values: jax.Array,
+    slot_mask: jax.Array,
+    evicted: jax.Array,
+    *,
+    mode: str,
+    use_similarity_filter: bool = False,
+    block: int = 128,
+) -> tuple[jax.Array, jax.Array]:
+    """Merge every evicted pair into its most similar kept pair (eq. 9-12, module docstring).
+
+    Args:
+      keys: [B, H, L, D]; values: [B, H, L, Dv], the full prompt cache.
+      kept_keys: [B, H, S, D]; kept_values: [B, H, S, Dv], the kept slots.
+      slot_mask: [B, H, S] bool, kept slots. evicted: [B, H, L] bool, valid tokens not kept.
+      mode: static, "averaged" | "pivotal" | "weighted".
+      use_similarity_filter: static; drop, rather than merge, the evicted tokens that fail
+        ``similarity_filter`` (authors' code).
+      block: static token block of the similarity scan.
+    Returns:
+      merged (kept_keys, kept_values), in the kept arrays' dtypes.
+    """
+    if mode not in MERGES:
+        raise ValueError(f"merge must be one of {MERGES}, got {mode!r}")
+    b, h, s, _ = kept_keys.shape
+    target, cos = assign(keys, kept_keys, slot_mask, block=block)
+    merging = evicted & slot_mask.any(-1, keepdims=True)
+    if use_similarity_filter:
+        merging = merging & similarity_filter(evicted, cos)
+    target = jnp.where(merging, target, s)  # s = dropped by the scatter
+    weight = {"averaged": 1.0, "pivotal": 0.5, "weighted": cos}[mode]
+    weight = jnp.where(merging, weight, 0.0)[..., None]  # [B, H, L, 1]
+
+    bi = jnp.arange(b)[:, None, None]
+    hi = jnp.arange(h)[None, :, None]
+    n = jnp.zeros((b, h, s), jnp.float32).at[bi, hi, target].add(1.0, mode="drop")[..., None]
+    self_weight = 1.0 + 0.5 * n if mode == "pivotal" else 1.0  # [B, H, S, 1] or scalar
+
+    def fold(full, kept):
+        acc = jnp.zeros(kept.shape, jnp.float32).at[bi, hi, target].add(weight * full.astype(jnp.float32), mode="drop")
+        return ((self_weight * kept.astype(jnp.float32) + acc) / (1.0 + n)).astype(kept.dtype)
+
+    return fold(keys, kept_keys), fold(values, kept_values)

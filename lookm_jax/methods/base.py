@@ -1,0 +1,62 @@
+"""The method contract: a frozen (hashable, hence jit-static) dataclass called once per layer."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lookm_jax.compress import CompressedKV
+
+
+@dataclasses.dataclass(frozen=True)
+class Method(abc.ABC):
+    """A KV-cache compression method.
+
+    ``capacity(bucket_len)`` is the static number of prompt slots it keeps for a bucket; calling
+    it on one layer, ``method(queries, keys, values, is_image, valid)`` with queries
+    [B, Hq, L, D] and keys/values [B, Hkv, L, D] (RoPE applied), is_image/valid [B, L] bool,
+    returns a ``CompressedKV`` of that capacity. Pure and traceable with static shapes.
+    """
+
+    @abc.abstractmethod
+    def capacity(self, bucket_len: int) -> int: ...
+
+    @abc.abstractmethod
+    def __call__(self, queries, keys, values, is_image, valid) -> CompressedKV: ...
+
+
+def floor_fraction(alpha: float, valid: jax.Array) -> jax.Array:
+    """[B] int32 floor(alpha * L_b) of each row's valid length, exactly as Python's int(alpha * L).
+
+    A static table over 0..bucket_len avoids fp32 rounding at the floor.
+    """
+    table = np.floor(alpha * np.arange(valid.shape[-1] + 1)).astype(np.int32)
+    return jnp.asarray(table)[valid.sum(-1)]
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetMethod(Method):
+    """A method that keeps M = floor(alpha_recent * L) + N = floor(alpha_important * L) slots per row.
+
+    L is each row's own valid length; the static capacity uses the bucket length.
+    """
+
+    alpha_recent: float = 0.1
+    alpha_important: float = 0.1
+
+    def __post_init__(self):
+        if self.alpha_recent < 0 or self.alpha_important < 0:
+            raise ValueError(f"budget fractions must be >= 0, got {self.alpha_recent}, {self.alpha_important}")
+
+    def capacity(self, bucket_len: int) -> int:
+        total = math.floor(self.alpha_recent * bucket_len) + math.floor(self.alpha_important * bucket_len)
+        return min(bucket_len, total)
+
+    def budgets(self, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Per-row (M, N), each [B] int32."""
+        return floor_fraction(self.alpha_recent, valid), floor_fraction(self.alpha_important, valid)

@@ -1,0 +1,95 @@
+"""Static-budget selection of the prompt slots to keep (LOOK-M eq. 5-8).
+
+Per row b and KV head h, with L_b valid tokens, M_b = n_recent[b], N_b = n_important[b]:
+keep the last M_b valid tokens (recent window) and the N_b best of the others, i.e.
+min(M_b + N_b, L_b) slots, stored in original-position order in a static capacity S.
+
+Ranking is one lexicographic sort, highest first:
+  1. class: recent window > attention sinks (first ``n_sink`` valid tokens) > text (under
+     text-prior) > everything else; padding is last and never kept;
+  2. score, descending (sinks are ordered by position alone);
+  3. position, ascending: ties are broken deterministically, lower position first.
+Text-prior (eq. 5, A_s[text] += max(A_s)) is realised as the class level: in exact arithmetic
+eq. 5 orders tokens exactly so (every valid token has A_s > 0, so each text score exceeds the
+maximum), and the class form keeps that guarantee in fp32, where adding max(A_s) would absorb
+tiny scores and turn them into ties.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+class Selection(NamedTuple):
+    indices: jax.Array  # [B, H, S] int32 kept positions in ascending order; 0 in empty slots
+    mask: jax.Array  # [B, H, S] bool, True for a kept slot
+    kept: jax.Array  # [B, H, L] bool, True for a kept token
+
+
+def count_from_end(valid: jax.Array) -> jax.Array:
+    """[B, L] int: number of valid tokens at positions >= j (1 for the last valid token)."""
+    return jnp.flip(jnp.cumsum(jnp.flip(valid, -1), -1), -1)
+
+
+def recent_mask(valid: jax.Array, n_recent: jax.Array) -> jax.Array:
+    """[B, L] bool: the last ``n_recent[b]`` valid tokens of each row (n_recent: [B] int)."""
+    return valid & (count_from_end(valid) <= n_recent[:, None])
+
+
+def select_slots(
+    scores: jax.Array,
+    valid: jax.Array,
+    is_image: jax.Array,
+    n_recent: jax.Array,
+    n_important: jax.Array,
+    *,
+    capacity: int,
+    text_prior: bool,
+    n_sink: int = 0,
+    keep_all_text: bool = False,
+) -> Selection:
+    """Choose the kept slots of every head (pure; traceable).
+
+    Args:
+      scores: [B, H, L] float, higher = more important.
+      valid, is_image: [B, L] bool.
+      n_recent, n_important: [B] int, per-row M and N.
+      capacity: static S; rows keep min(M + N, L_b, S) slots, spare slots are empty.
+      text_prior: static; rank every text token above every image token (eq. 5).
+      n_sink: static; the first n_sink valid tokens outrank all others outside the recent window
+        (counted within N).
+      keep_all_text: static; also keep every sink and (text-prior) text token even beyond N, so a
+        row keeps M + max(N, #sink-or-text tokens outside the window), truncated to S.
+    """
+    b, h, l = scores.shape
+    pos = jnp.arange(l, dtype=jnp.int32)
+    recent = recent_mask(valid, n_recent)  # [B, L]
+    sink = valid & ~recent & (jnp.cumsum(valid, -1) <= n_sink)
+    text = valid & ~is_image & text_prior
+    cls = jnp.where(recent, 3, jnp.where(sink, 2, jnp.where(text, 1, 0)))
+    cls = jnp.where(valid, cls, -1).astype(jnp.int32)  # [B, L]
+
+    neg_cls = jnp.broadcast_to(-cls[:, None, :], (b, h, l))
+    neg_score = jnp.where(sink[:, None, :], 0.0, -scores.astype(jnp.float32))  # sinks: by position
+    _, _, order = lax.sort((neg_cls, neg_score, jnp.broadcast_to(pos, (b, h, l))), num_keys=3)
+
+    count = n_recent + n_important
+    if keep_all_text:
+        must = ((cls == 1) | (cls == 2)).sum(-1)  # [B]
+        count = n_recent + jnp.maximum(n_important, must)
+    count = jnp.minimum(jnp.minimum(count, valid.sum(-1)), capacity)  # [B]
+
+    if capacity > l:
+        order = jnp.pad(order, ((0, 0), (0, 0), (0, capacity - l)), constant_values=l)
+    top = order[..., :capacity]  # [B, H, S] by priority
+    slot = jnp.arange(capacity)
+    chosen = jnp.sort(jnp.where(slot < count[:, None, None], top, l), axis=-1)  # [B, H, S], l = empty
+    mask = chosen < l
+    bi = jnp.arange(b)[:, None, None]
+    hi = jnp.arange(h)[None, :, None]
+    kept = jnp.zeros((b, h, l), bool).at[bi, hi, chosen].set(True, mode="drop")
+    return Selection(jnp.where(mask, chosen, 0), mask, kept)

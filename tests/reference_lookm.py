@@ -1,0 +1,226 @@
+"""Independent NumPy float64 reference of LOOK-M eq. 4-12 and its baselines.
+
+Written straight from the equations with plain loops (small sizes only); imports nothing from
+lookm_jax. Results are per (row b, KV head h): sorted kept positions and the kept keys/values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def attention_probs(q, k, valid):
+    """P[b, hq, i, j] = softmax_j over {j <= i, valid j} of q_i.k_j / sqrt(D); 0 rows for padding i."""
+    b_, hq, length, d = q.shape
+    g = hq // k.shape[1]
+    p = np.zeros((b_, hq, length, length))
+    for b in range(b_):
+        for h in range(hq):
+            for i in range(length):
+                if not valid[b, i]:
+                    continue
+                js = [j for j in range(i + 1) if valid[b, j]]
+                logits = np.array([q[b, h, i] @ k[b, h // g, j] / math.sqrt(d) for j in js], np.float64)
+                e = np.exp(logits - logits.max())
+                p[b, h, i, js] = e / e.sum()
+    return p
+
+
+def _group_mean(x, hkv):
+    b_, hq = x.shape[:2]
+    return x.reshape(b_, hkv, hq // hkv, *x.shape[2:]).mean(2)
+
+
+def attention_scores(q, k, valid):
+    """Eq. 4: A_s[j] = sum_i P[i, j], mean over the query heads of each KV group. [B, Hkv, L]."""
+    return _group_mean(attention_probs(q, k, valid).sum(2), k.shape[1])
+
+
+def mean_std(q, k, valid):
+    """RoCo: mean and std of P[i, j] over the valid queries i >= j, per head, then group mean."""
+    p = attention_probs(q, k, valid)
+    b_, hq, length, _ = p.shape
+    mean = np.zeros((b_, hq, length))
+    std = np.zeros((b_, hq, length))
+    for b in range(b_):
+        for h in range(hq):
+            for j in range(length):
+                seen = [p[b, h, i, j] for i in range(j, length) if valid[b, i]]
+                if valid[b, j]:
+                    mean[b, h, j] = np.mean(seen)
+                    std[b, h, j] = np.std(seen)
+    return _group_mean(mean, k.shape[1]), _group_mean(std, k.shape[1])
+
+
+def recent_positions(valid_row, m):
+    """The last m valid positions of a row."""
+    idx = [j for j in range(len(valid_row)) if valid_row[j]]
+    return idx[max(0, len(idx) - m):] if m > 0 else []
+
+
+def window_scores(q, k, valid, window, m, kernel_size, pooling):
+    """SnapKV: votes of the last `window` valid queries to the non-recent keys, pooled per query head."""
+    p = attention_probs(q, k, valid)
+    b_, hq, length, _ = p.shape
+    out = np.zeros((b_, hq, length))
+    half = kernel_size // 2
+    for b in range(b_):
+        rows = [i for i in range(length) if valid[b, i]]
+        obs = rows[max(0, len(rows) - window[b]):] if window[b] else []
+        recent = set(recent_positions(valid[b], m[b]))
+        for h in range(hq):
+            votes = np.array([sum(p[b, h, i, j] for i in obs) if valid[b, j] and j not in recent else 0.0
+                              for j in range(length)])
+            padded = np.concatenate([np.zeros(half), votes, np.zeros(half)])
+            win = [padded[j:j + kernel_size] for j in range(length)]
+            out[b, h] = [w.max() if pooling == "max" else w.sum() / kernel_size for w in win]
+    return _group_mean(out, k.shape[1])
+
+
+def select(scores, valid, is_image, m, n, *, text_prior, n_sink=0, keep_all_text=False):
+    """Eq. 5-8 for every (b, h): sorted kept positions (recent M + top N; ties: lower position)."""
+    b_, h_, length = scores.shape
+    kept = {}
+    for b in range(b_):
+        idx = [j for j in range(length) if valid[b, j]]
+        recent = recent_positions(valid[b], m[b])
+        rest = [j for j in idx if j not in recent]
+        sinks = rest[:n_sink]
+        for h in range(h_):
+            a = {j: float(scores[b, h, j]) for j in idx}
+            if text_prior:  # eq. 5
+                top = max(a.values())
+                a = {j: s + top if not is_image[b, j] else s for j, s in a.items()}
+            for j in sinks:
+                a[j] = math.inf
+            ranked = sorted(rest, key=lambda j: (-a[j], j))
+            chosen = set(recent) | set(ranked[:n[b]])
+            if keep_all_text:
+                chosen |= {j for j in rest if not is_image[b, j]} | set(sinks)
+            kept[b, h] = sorted(chosen)
+    return kept
+
+
+def merge(keys, values, kept, valid, mode, similarity_filter=False):
+    """Eq. 9-12: fold each evicted pair into its most cosine-similar kept pair (same head).
+
+    averaged: (k_c + sum k_e) / (1 + n); pivotal: (k_c + sum (k_e + k_c) / 2) / (1 + n);
+    weighted: (k_c + sum cos_e k_e) / (1 + n). Returns {(b, h): (kept_keys, kept_values)}.
+    """
+    out = {}
+    b_, h_, length, _ = keys.shape
+    assign = {}
+    for b in range(b_):
+        for h in range(h_):
+            ks = kept[b, h]
+            evicted = [j for j in range(length) if valid[b, j] and j not in ks]
+            pairs = []
+            for e in evicted:
+                cos = [keys[b, h, e] @ keys[b, h, c] / (np.linalg.norm(keys[b, h, e]) * np.linalg.norm(keys[b, h, c]))
+                       for c in ks]
+                best = int(np.argmax(cos)) if ks else None
+                pairs.append((e, best, cos[best] if ks else None))
+            assign[b, h] = pairs
+    for b in range(b_):
+        if similarity_filter:
+            heads = [assign[b, h] for h in range(h_)]
+            m_t = [np.mean([heads[h][t][2] for h in range(h_)]) for t in range(len(heads[0]))]
+            passes = [mt >= np.mean(m_t) for mt in m_t] if m_t else []
+        for h in range(h_):
+            ks = kept[b, h]
+            kk = keys[b, h, ks].astype(np.float64)
+            vv = values[b, h, ks].astype(np.float64)
+            num_k, num_v, cnt = kk.copy(), vv.copy(), np.ones(len(ks))
+            for t, (e, c, cos) in enumerate(assign[b, h]):
+                if c is None or (similarity_filter and not passes[t]):
+                    continue
+                ke, ve = keys[b, h, e].astype(np.float64), values[b, h, e].astype(np.float64)
+                if mode == "averaged":
+                    num_k[c] += ke
+                    num_v[c] += ve
+                elif mode == "pivotal":
+                    num_k[c] += (ke + kk[c]) / 2
+                    num_v[c] += (ve + vv[c]) / 2
+                else:
+                    num_k[c] += cos * ke
+                    num_v[c] += cos * ve
+                cnt[c] += 1
+            out[b, h] = (num_k / cnt[:, None], num_v / cnt[:, None])
+    return out
+
+
+def budget(alpha, length):
+    return math.floor(alpha * length)
+
+
+def run_method(name, params, q, k, v, is_image, valid):
+    """Reference of a registry method: {(b, h): (positions, keys, values)}."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    valid, is_image = np.asarray(valid), np.asarray(is_image)
+    b_, h_, length, _ = k.shape
+    lens = valid.sum(-1)
+    if name == "full":
+        kept = {(b, h): [j for j in range(length) if valid[b, j]] for b in range(b_) for h in range(h_)}
+        return {key: (pos, k[key[0], key[1], pos], v[key[0], key[1], pos]) for key, pos in kept.items()}
+    m = [budget(params.get("alpha_recent", 0.1), L) for L in lens]
+    n = [budget(params.get("alpha_important", 0.1), L) for L in lens]
+    text_prior, mode, n_sink = False, None, 0
+    if name == "streamingllm":
+        n_sink = params.get("n_sink", 4)
+        total = [a + c for a, c in zip(m, n)]
+        n = [min(n_sink, t) for t in total]
+        m = [t - s for t, s in zip(total, n)]
+        scores = np.zeros(k.shape[:3])
+    elif name == "h2o":
+        scores = attention_scores(q, k, valid)
+    elif name == "roco":
+        mean, std = mean_std(q, k, valid)
+        scores = mean + params.get("std_weight", 0.0) * std
+    elif name == "snapkv":
+        w = params.get("window", 32)
+        window = m if w is None else [w] * b_
+        scores = window_scores(q, k, valid, window, m, params.get("kernel_size", 7), params.get("pooling", "max"))
+    elif name == "lookm":
+        scores = attention_scores(q, k, valid)
+        text_prior = params.get("text_prior", True)
+        mode = params.get("merge", "pivotal")
+        n_sink = params.get("n_sink", 0)
+    else:
+        raise ValueError(name)
+    kept = select(scores, valid, is_image, m, n, text_prior=text_prior, n_sink=n_sink,
+                  keep_all_text=params.get("keep_all_text", False))
+    if mode is None:
+        return {key: (pos, k[key[0], key[1], pos], v[key[0], key[1], pos]) for key, pos in kept.items()}
+    merged = merge(k, v, kept, valid, mode, params.get("similarity_filter", False))
+    return {key: (pos, *merged[key]) for key, pos in kept.items()}
+
+
+# --- test inputs and comparison ------------------------------------------------------------------
+
+
+def make_inputs(seed, *, batch=2, hq=4, hkv=2, length=24, dim=8, lengths=None, p_image=0.6):
+    """Random float32 q [B,Hq,L,D], k/v [B,Hkv,L,D]; right-padded valid rows; random modality."""
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(batch, hq, length, dim)).astype(np.float32)
+    k = rng.normal(size=(batch, hkv, length, dim)).astype(np.float32)
+    v = rng.normal(size=(batch, hkv, length, dim)).astype(np.float32)
+    if lengths is None:
+        lengths = [length] + list(rng.integers(1, length + 1, size=batch - 1))
+    valid = np.arange(length)[None, :] < np.asarray(lengths)[:, None]
+    is_image = rng.random((batch, length)) < p_image
+    return q, k, v, is_image, valid
+
+
+def check_against(out, ref, atol=1e-5):
+    """A CompressedKV-like result agrees with a {(b, h): (positions, keys, values)} reference."""
+    positions, mask = np.asarray(out.positions), np.asarray(out.mask)
+    keys, values = np.asarray(out.keys), np.asarray(out.values)
+    for (b, h), (pos, kk, vv) in ref.items():
+        got = positions[b, h][mask[b, h]]
+        np.testing.assert_array_equal(got, pos, err_msg=f"kept positions, row {b} head {h}")
+        np.testing.assert_array_equal(positions[b, h][~mask[b, h]], -1)
+        np.testing.assert_allclose(keys[b, h][mask[b, h]], kk, atol=atol, rtol=atol)
+        np.testing.assert_allclose(values[b, h][mask[b, h]], vv, atol=atol, rtol=atol)
+        np.testing.assert_array_equal(keys[b, h][~mask[b, h]], 0)

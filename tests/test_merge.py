@@ -1,0 +1,93 @@
+"""Merging (eq. 9-12): reference agreement, convexity, eq. 12 weights, negative cosines."""
+
+import functools
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import reference_lookm as ref
+from lookm_jax import compress_kv
+
+B, H, L, D = 2, 2, 20, 8
+
+
+def _inputs(seed, lengths):
+    rng = np.random.default_rng(seed)
+    _, k, v, is_image, valid = ref.make_inputs(seed, batch=B, hkv=H, length=L, lengths=lengths)
+    return k, v, rng.random((B, H, L)).astype(np.float32), is_image, valid
+
+
+@pytest.mark.parametrize("merge,similarity_filter,text_prior", [
+    ("averaged", False, True), ("averaged", True, False),
+    ("pivotal", False, False), ("pivotal", True, True),
+    ("weighted", False, True), ("weighted", True, False),
+])
+def test_matches_reference(merge, similarity_filter, text_prior):
+    k, v, scores, is_image, valid = _inputs(0, [20, 13])
+    m, n = [3, 2], [4, 3]
+    out = compress_kv(jnp.asarray(k), jnp.asarray(v), jnp.asarray(scores), is_image=jnp.asarray(is_image),
+                      valid=jnp.asarray(valid), n_recent=np.array(m), n_important=np.array(n),
+                      text_prior=text_prior, merge=merge, similarity_filter=similarity_filter, block=8)
+    kept = ref.select(scores, valid, is_image, m, n, text_prior=text_prior)
+    merged = ref.merge(k, v, kept, valid, merge, similarity_filter)
+    ref.check_against(out, {bh: (p, *merged[bh]) for bh, p in kept.items()})
+
+
+@functools.partial(jax.jit, static_argnames="merge")
+def _merge_one_hot(k, scores, is_image, valid, m, n, merge):
+    """Values are one-hot rows, so merged value slot s reads off the weight of every token in it."""
+    one_hot = jnp.broadcast_to(jnp.eye(L), (B, H, L, L))
+    return compress_kv(k, one_hot, scores, is_image=is_image, valid=valid, n_recent=m, n_important=n,
+                       merge=merge, capacity=L, block=8)
+
+
+_lengths = st.lists(st.integers(1, L), min_size=B, max_size=B)
+_budgets = st.lists(st.integers(0, 6), min_size=B, max_size=B)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), lengths=_lengths, m=_budgets, n=_budgets,
+       merge=st.sampled_from(["averaged", "pivotal", "weighted"]))
+def test_merge_weights(seed, lengths, m, n, merge):
+    """Averaged and pivotal: convex (weights >= 0, sum 1). Weighted: exactly eq. 12, the kept pair
+    with weight 1 and each merged pair with its raw cosine, over 1 + n_s. Keys use the same weights."""
+    k, _, scores, is_image, valid = _inputs(seed, lengths)
+    out = _merge_one_hot(k, scores, is_image, valid, np.array(m), np.array(n), merge)
+    weights, pos, mask = (np.asarray(x, np.float64) for x in (out.values, out.positions, out.mask))
+    merged_keys = np.asarray(out.keys, np.float64)
+    for b in range(B):
+        for h in range(H):
+            occ = mask[b, h].astype(bool)
+            w = weights[b, h][occ]  # [S_occ, L]
+            np.testing.assert_allclose(merged_keys[b, h][occ], w @ k[b, h], atol=1e-5)
+            if merge != "weighted":
+                assert (w >= 0).all()
+                np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-6)
+                continue
+            kept = pos[b, h][occ].astype(int)
+            unit = k[b, h] / np.linalg.norm(k[b, h], axis=-1, keepdims=True)
+            want = np.zeros_like(w)
+            want[np.arange(len(kept)), kept] = 1.0
+            for e in set(np.flatnonzero(valid[b])) - set(kept) if len(kept) else ():
+                cos = unit[kept] @ unit[e]
+                want[np.argmax(cos), e] = cos.max()
+            want /= (want != 0).sum(-1, keepdims=True)
+            np.testing.assert_allclose(w, want, atol=1e-6)
+
+
+def test_weighted_negative_cosine_subtracts_the_evicted_pair():
+    """An evicted key at an obtuse angle to every kept key merges with a negative weight: it is
+    subtracted from its best (least dissimilar) kept pair, which also shrinks by 1 / (1 + n)."""
+    k = jnp.array([[-1.0, 0.0], [1.0, 0.2], [1.0, -0.5]])[None, None]  # [1, 1, 3, 2]
+    v = jnp.array([[1.0, 1.0], [0.0, 1.0], [1.0, 0.0]])[None, None]
+    flags = jnp.ones((1, 3), bool)
+    out = compress_kv(k, v, jnp.zeros((1, 1, 3)), is_image=~flags, valid=flags, n_recent=2, n_important=0,
+                      merge="weighted")
+    cos = -1.0 / np.sqrt(1.25)  # token 0 vs token 2: the best of two negative cosines
+    np.testing.assert_array_equal(out.positions[0, 0], [1, 2])
+    np.testing.assert_allclose(out.values[0, 0], [[0.0, 1.0], [(1.0 + cos) / 2, cos / 2]], atol=1e-6)
+    np.testing.assert_allclose(out.keys[0, 0], [[1.0, 0.2], [(1.0 - cos) / 2, -0.25]], atol=1e-6)

@@ -1,0 +1,147 @@
+"""Every registered method: reference agreement, budgets, padding, raggedness, GQA, jit-staticness."""
+
+import functools
+
+import chex
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import reference_lookm as ref
+from lookm_jax import METHODS, get_method
+from lookm_jax.methods import BudgetMethod, LookM
+
+L = 24
+BUDGET = {"alpha_recent": 0.2, "alpha_important": 0.2}
+
+
+def _default(name, **kwargs):
+    return get_method(name, **kwargs) if name == "full" else get_method(name, **BUDGET, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(method):
+    """One compiled program per (method, shapes): the method is a static argument."""
+    return jax.jit(type(method).__call__, static_argnums=0)
+
+
+def _run(method, q, k, v, is_image, valid):
+    return _jitted(method)(method, *(jnp.asarray(x) for x in (q, k, v, is_image, valid)))
+
+
+CONFIGS = [
+    ("full", {}),
+    ("streamingllm", {}),
+    ("h2o", {}),
+    ("snapkv", {"window": 6}),
+    ("snapkv", {"window": None, "kernel_size": 5, "pooling": "avg"}),
+    ("roco", {}),
+    ("roco", {"std_weight": 1.0}),
+    ("lookm", {}),
+    ("lookm", {"text_prior": False, "merge": None}),
+    ("lookm", {"merge": "averaged", "similarity_filter": True}),
+    ("lookm", {"merge": "weighted", "text_prior": False, "n_sink": 4}),
+    ("lookm", {"keep_all_text": True, "merge": "pivotal"}),
+]
+
+
+@pytest.mark.parametrize("name,params", CONFIGS, ids=[f"{n}-{p}" for n, p in CONFIGS])
+def test_matches_reference(name, params):
+    inputs = ref.make_inputs(0, length=L, lengths=[L, 15])
+    method = _default(name, **params)
+    out = _run(method, *inputs)
+    s = method.capacity(L)
+    chex.assert_shape([out.keys, out.values], (2, 2, s, 8))
+    chex.assert_shape([out.positions, out.mask], (2, 2, s))
+    chex.assert_type([out.keys, out.positions, out.mask], [jnp.float32, jnp.int32, jnp.bool_])
+    ref.check_against(out, ref.run_method(name, {**BUDGET, **params}, *inputs))
+
+
+@pytest.mark.parametrize("hkv", [1, 4])
+@pytest.mark.parametrize("name", METHODS)
+def test_gqa_matches_reference(name, hkv):
+    """1 and all KV heads (2 is covered above) with 4 query heads: group-averaged scores."""
+    inputs = ref.make_inputs(1, hkv=hkv, length=16, lengths=[16, 11])
+    ref.check_against(_run(_default(name), *inputs), ref.run_method(name, BUDGET, *inputs))
+
+
+@pytest.mark.parametrize("name", METHODS)
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), lengths=st.lists(st.integers(1, L), min_size=2, max_size=2))
+def test_budget_and_padding(name, seed, lengths):
+    """Exactly min(M + N, L_b) kept per head (all L_b for full), the always-kept tail is kept,
+    padding is never kept, and garbage at padded positions changes nothing (never attended)."""
+    method = _default(name)
+    q, k, v, is_image, valid = ref.make_inputs(seed, length=L, lengths=lengths)
+    out = _run(method, q, k, v, is_image, valid)
+    noisy = [x.copy() for x in (q, k, v)]
+    rng = np.random.default_rng(seed)
+    for x in noisy:
+        for b in range(2):
+            x[b, :, ~valid[b]] = rng.normal(scale=50, size=x[b, :, ~valid[b]].shape)
+    chex.assert_trees_all_equal(out, _run(method, *noisy, is_image, valid))
+    pos, mask = np.asarray(out.positions), np.asarray(out.mask)
+    for b, n_b in enumerate(lengths):
+        if isinstance(method, BudgetMethod):
+            m_b, total = ref.budget(0.2, n_b), 2 * ref.budget(0.2, n_b)
+            tail = total - min(4, total) if name == "streamingllm" else m_b
+        else:
+            tail = total = n_b
+        for h in range(2):
+            kept = pos[b, h][mask[b, h]]
+            assert len(kept) == min(total, n_b)
+            assert valid[b, kept].all()
+            assert set(ref.recent_positions(valid[b], tail)) <= set(kept)
+
+
+@pytest.mark.parametrize("name", [m for m in METHODS if m != "full"])
+def test_budget_at_least_prompt_without_merge_is_full_cache(name):
+    """alpha_recent + alpha_important >= 1 with merging off: bit-for-bit the full cache."""
+    params = {"alpha_recent": 1.0, "alpha_important": 1.0} | ({"merge": None} if name == "lookm" else {})
+    method = get_method(name, **params)
+    inputs = ref.make_inputs(2, length=L, lengths=[L, 10])
+    assert method.capacity(L) == L
+    chex.assert_trees_all_equal(_run(method, *inputs), _run(get_method("full"), *inputs))
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_ragged_row_equals_row_alone(name):
+    """A right-padded row of a batch gets the same cache as the same row run alone, unpadded."""
+    method = _default(name)
+    q, k, v, is_image, valid = ref.make_inputs(3, length=L, lengths=[L, 13])
+    batch = _run(method, q, k, v, is_image, valid)
+    alone = _run(method, *(x[1:, ..., :13, :] for x in (q, k, v)), is_image[1:, :13], valid[1:, :13])
+    s = alone.capacity
+    np.testing.assert_array_equal(batch.positions[1, :, :s], alone.positions[0])
+    np.testing.assert_array_equal(batch.positions[1, :, s:], -1)
+    np.testing.assert_allclose(batch.keys[1, :, :s], alone.keys[0], atol=1e-6)
+    np.testing.assert_allclose(batch.values[1, :, :s], alone.values[0], atol=1e-6)
+
+
+def test_one_compilation_per_bucket():
+    """Methods are hashable static arguments; prompts of any length in a bucket share one program."""
+    method = get_method("lookm")
+    assert hash(method) == hash(get_method("lookm", alpha_recent=0.1, alpha_important=0.1, merge="pivotal"))
+    fn = jax.jit(lambda m, *arrays: m(*arrays), static_argnums=0)
+    for lengths in ([L, 5], [7, 19], [1, L]):
+        fn(method, *(jnp.asarray(x) for x in ref.make_inputs(4, length=L, lengths=lengths)))
+    assert fn._cache_size() == 1
+
+
+def test_get_method():
+    assert METHODS == ("full", "streamingllm", "h2o", "snapkv", "roco", "lookm")
+    assert get_method("lookm") == LookM(alpha_recent=0.1, alpha_important=0.1, merge="pivotal", text_prior=True)
+    assert get_method("h2o", budget=0.2) == get_method("h2o", alpha_recent=0.1, alpha_important=0.1)
+    assert get_method("full").capacity(100) == 100
+    assert get_method("lookm", budget=0.2).capacity(100) == 20
+    assert get_method("lookm", keep_all_text=True, capacity_ratio=0.5).capacity(100) == 50
+    for bad in (lambda: get_method("nope"), lambda: get_method("full", budget=0.2),
+                lambda: get_method("lookm", budget=0.2, alpha_recent=0.1),
+                lambda: get_method("lookm", merge="median"), lambda: get_method("lookm", text_prior=False,
+                                                                              keep_all_text=True),
+                lambda: get_method("snapkv", kernel_size=4)):
+        with pytest.raises(ValueError):
+            bad()

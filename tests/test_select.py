@@ -1,0 +1,114 @@
+"""Selection (eq. 5-8) through compress_kv with merging off: reference agreement and properties."""
+
+import functools
+
+import chex
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import reference_lookm as ref
+from lookm_jax import compress_kv
+
+B, H, L, D, S = 3, 2, 24, 8, 16
+
+
+@functools.partial(jax.jit, static_argnames=("text_prior", "n_sink"))
+def _select(k, v, scores, is_image, valid, m, n, text_prior, n_sink=0):
+    """M, N are traced [B] arrays, so every hypothesis example reuses one compiled program."""
+    return compress_kv(k, v, scores, is_image=is_image, valid=valid, n_recent=m, n_important=n,
+                       text_prior=text_prior, n_sink=n_sink, capacity=S)
+
+
+def _case(seed, lengths):
+    rng = np.random.default_rng(seed)
+    _, k, v, is_image, valid = ref.make_inputs(seed, batch=B, hkv=H, length=L, lengths=lengths)
+    scores = rng.random((B, H, L)).astype(np.float32)
+    return k, v, scores, is_image, valid
+
+
+@pytest.mark.parametrize("text_prior", [False, True])
+@pytest.mark.parametrize("n_sink", [0, 4])
+def test_matches_reference(text_prior, n_sink):
+    k, v, scores, is_image, valid = _case(0, [24, 17, 9])
+    m, n = [4, 3, 1], [6, 5, 2]
+    out = compress_kv(jnp.asarray(k), jnp.asarray(v), jnp.asarray(scores), is_image=jnp.asarray(is_image),
+                      valid=jnp.asarray(valid), n_recent=np.array(m), n_important=np.array(n),
+                      text_prior=text_prior, n_sink=n_sink)
+    chex.assert_shape([out.keys, out.values], (B, H, 10, D))
+    chex.assert_shape([out.positions, out.mask], (B, H, 10))
+    chex.assert_type([out.positions, out.mask], [jnp.int32, jnp.bool_])
+    kept = ref.select(scores, valid, is_image, m, n, text_prior=text_prior, n_sink=n_sink)
+    ref.check_against(out, {bh: (p, k[bh[0], bh[1], p], v[bh[0], bh[1], p]) for bh, p in kept.items()}, atol=0)
+
+
+def test_keep_all_text_matches_reference():
+    k, v, scores, is_image, valid = _case(1, [24, 20, 12])
+    m, n = [2, 2, 1], [3, 2, 1]
+    out = compress_kv(jnp.asarray(k), jnp.asarray(v), jnp.asarray(scores), is_image=jnp.asarray(is_image),
+                      valid=jnp.asarray(valid), n_recent=np.array(m), n_important=np.array(n),
+                      keep_all_text=True, capacity=L)
+    kept = ref.select(scores, valid, is_image, m, n, text_prior=True, keep_all_text=True)
+    ref.check_against(out, {bh: (p, k[bh[0], bh[1], p], v[bh[0], bh[1], p]) for bh, p in kept.items()}, atol=0)
+    assert out.mask.sum(-1).max() > max(a + c for a, c in zip(m, n))  # the budget really overruns
+
+
+def test_ties_prefer_lower_positions():
+    k, v, _, is_image, valid = _case(2, [24, 24, 24])
+    out = compress_kv(jnp.asarray(k), jnp.asarray(v), jnp.zeros((B, H, L)), is_image=jnp.asarray(is_image),
+                      valid=jnp.asarray(valid), n_recent=3, n_important=5, text_prior=False)
+    np.testing.assert_array_equal(out.positions, np.broadcast_to([0, 1, 2, 3, 4, 21, 22, 23], (B, H, 8)))
+
+
+_lengths = st.lists(st.integers(0, L), min_size=B, max_size=B)
+_budgets = st.lists(st.integers(0, 8), min_size=B, max_size=B)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), lengths=_lengths, m=_budgets, n=_budgets,
+       text_prior=st.booleans(), n_sink=st.sampled_from([0, 4]))
+def test_budget_window_and_padding(seed, lengths, m, n, text_prior, n_sink):
+    """Exactly min(M + N, L_b) slots per head; the recent window is always kept; padding never;
+    slots in ascending position order, empty slots last with position -1 and zero keys."""
+    k, v, scores, is_image, valid = _case(seed, lengths)
+    out = _select(k, v, scores, is_image, valid, np.array(m), np.array(n), text_prior, n_sink)
+    pos, mask = np.asarray(out.positions), np.asarray(out.mask)
+    for b in range(B):
+        recent = ref.recent_positions(valid[b], m[b])
+        for h in range(H):
+            assert mask[b, h].sum() == min(m[b] + n[b], lengths[b])
+            kept = pos[b, h][mask[b, h]]
+            assert np.all(mask[b, h][: len(kept)]) and np.all(np.diff(kept) > 0)
+            assert set(recent) <= set(kept)
+            assert valid[b, kept].all()
+    np.testing.assert_array_equal(pos[~mask], -1)
+    np.testing.assert_array_equal(np.asarray(out.keys)[~mask], 0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), lengths=_lengths, m=_budgets, n=_budgets)
+def test_text_prior(seed, lengths, m, n):
+    """Under text-prior no image token outside the recent window is kept while a text token outside
+    it is evicted."""
+    k, v, scores, is_image, valid = _case(seed, lengths)
+    out = _select(k, v, scores, is_image, valid, np.array(m), np.array(n), True)
+    pos, mask = np.asarray(out.positions), np.asarray(out.mask)
+    for b in range(B):
+        outside = set(np.flatnonzero(valid[b])) - set(ref.recent_positions(valid[b], m[b]))
+        for h in range(H):
+            kept = set(pos[b, h][mask[b, h]])
+            image_kept = any(is_image[b, j] for j in outside & kept)
+            text_evicted = any(not is_image[b, j] for j in outside - kept)
+            assert not (image_kept and text_evicted)
+
+
+def test_capacity_defaults_to_max_budget_and_needs_concrete_budgets():
+    k, v, scores, is_image, valid = (jnp.asarray(x) for x in _case(3, None))
+    out = compress_kv(k, v, scores, is_image=is_image, valid=valid, n_recent=np.array([1, 2, 3]), n_important=4)
+    assert out.capacity == 7
+    with pytest.raises(ValueError, match="capacity"):
+        jax.jit(lambda m: compress_kv(k, v, scores, is_image=is_image, valid=valid, n_recent=m, n_important=1))(
+            jnp.array([1, 2, 3]))
