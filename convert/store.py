@@ -28,12 +28,13 @@ TOKENIZER = "tokenizer.json"
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
+    """Nested dict -> {"a.b.c": C-contiguous array} (safetensors writes raw buffers, ignoring strides)."""
     flat = {}
     for key, value in tree.items():
         if isinstance(value, dict):
             flat.update(flatten(value, f"{prefix}{key}."))
         else:
-            flat[prefix + key] = np.asarray(value)
+            flat[prefix + key] = np.ascontiguousarray(value)
     return flat
 
 

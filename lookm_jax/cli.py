@@ -60,7 +60,10 @@ def cmd_generate(args) -> int:
     print(f"answer: {answer}")
     print(f"prompt tokens: {n_prompt} ({n_image} image, {n_prompt - n_image} text), bucket {result.bucket}; "
           f"generated {int(result.lengths[0])}")
-    print(f"method: {args.method}; KV cache: {_mib(result.cache_bytes)} (full cache: {_mib(result.full_cache_bytes)})")
+    print(f"method: {args.method}; kept prompt tokens per layer and KV head: {result.kept_image_tokens[0]:.1f} image, "
+          f"{result.kept_text_tokens[0]:.1f} text")
+    print(f"KV cache: {_mib(result.cache_bytes)} after compression, {_mib(result.full_cache_bytes)} full "
+          f"({result.cache_bytes / result.full_cache_bytes:.1%})")
     print(f"compile {result.compile_seconds:.2f} s; prefill {result.prefill_seconds:.3f} s; "
           f"decode {result.decode_ms_per_token:.1f} ms/token")
     return 0

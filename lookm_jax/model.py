@@ -30,12 +30,26 @@ def forward_logits(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax.
     return llama.lm_logits(params["text"], h)
 
 
+@jax.jit
+def kept_by_modality(positions: jax.Array, is_image: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Prompt slots kept in a cache, mean over layers and KV heads.
+
+    positions [N, B, Hkv, S] (-1 = empty), is_image [B, L] -> (image [B], text [B]) float32.
+    """
+    kept = positions >= 0
+    modality = jnp.broadcast_to(is_image[None, :, None, :], positions.shape[:3] + is_image.shape[-1:])
+    image = jnp.take_along_axis(modality, jnp.maximum(positions, 0), axis=-1) & kept
+    return image.sum(-1).mean(axis=(0, 2)), (kept & ~image).sum(-1).mean(axis=(0, 2))
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerationResult:
     tokens: np.ndarray  # [B, max_new_tokens] int32; after EOS filled with the EOS id
     lengths: np.ndarray  # [B] tokens generated, EOS included
     prompt_lengths: np.ndarray  # [B] real prompt tokens
     image_tokens: np.ndarray  # [B] of which image placeholders
+    kept_image_tokens: np.ndarray  # [B] image tokens the cache kept, mean over layers and KV heads
+    kept_text_tokens: np.ndarray  # [B] text tokens the cache kept, likewise
     bucket: int
     cache_bytes: int  # K/V bytes of the decode cache (kept prompt slots + max_new_tokens)
     full_cache_bytes: int  # the same for an uncompressed cache of this bucket
@@ -150,6 +164,7 @@ class Model:
         first, cache, is_image = jax.block_until_ready(prefill(*dynamic))
         prefill_seconds = time.perf_counter() - start
         cache_bytes = cache.nbytes
+        kept_image, kept_text = kept_by_modality(cache.positions, is_image)  # before decode donates the cache
         start = time.perf_counter()
         tokens, lengths, _ = jax.block_until_ready(decode(self.params["text"], first, cache, key))
         decode_seconds = time.perf_counter() - start
@@ -158,7 +173,8 @@ class Model:
                       * cfg.head_dim * jnp.dtype(self.dtype).itemsize)
         return GenerationResult(
             tokens=np.asarray(tokens), lengths=np.asarray(lengths), prompt_lengths=valid.sum(1),
-            image_tokens=(np.asarray(is_image) & valid).sum(1), bucket=ids.shape[1], cache_bytes=cache_bytes,
+            image_tokens=(np.asarray(is_image) & valid).sum(1), kept_image_tokens=np.asarray(kept_image),
+            kept_text_tokens=np.asarray(kept_text), bucket=ids.shape[1], cache_bytes=cache_bytes,
             full_cache_bytes=full_bytes, compile_seconds=compile_seconds, prefill_seconds=prefill_seconds,
             decode_seconds=decode_seconds)
 

@@ -128,3 +128,13 @@ def test_corrupt_converted_folder(checkpoint, tmp_path):
     (tmp_path / "c" / store.PARAMS).write_bytes(b"garbage")
     with pytest.raises(ValueError, match="corrupt or missing params.safetensors"):
         lookm_jax.load(str(tmp_path / "c"))
+
+
+def test_save_converted_handles_strided_arrays(tmp_path):
+    """Transposed views (what the mapping tables produce) must be written in their logical order."""
+    weight = np.arange(12, dtype=np.float32).reshape(3, 4)
+    params = {"text": {"w": weight.T, "stacked": np.stack([weight.T, weight.T + 1])}}
+    store.save_converted(str(tmp_path / "c"), params, {"hf_config": {}})
+    _, loaded, _ = store.load_converted(str(tmp_path / "c"))
+    np.testing.assert_array_equal(loaded["text"]["w"], weight.T)
+    np.testing.assert_array_equal(loaded["text"]["stacked"], np.stack([weight.T, weight.T + 1]))
