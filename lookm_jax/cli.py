@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-DEFAULT_PROMPT = "Describe these pictures in two sentences."
+DEFAULT_PROMPT = "Write a haiku about the sea."
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 DEFAULT_IMAGES = [os.path.join(ASSETS, "landscape.png"), os.path.join(ASSETS, "apple.png")]
 

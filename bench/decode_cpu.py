@@ -1,0 +1,154 @@
+"""SmolLM2-135M decode and prefill on this CPU: lookm-jax vs HF transformers (PyTorch), side by side.
+
+    python bench/decode_cpu.py [--lengths 512 2048] [--new-tokens 64]
+
+Each engine runs in its own subprocess (so peak RSS is its own); the parent also measures this
+machine's memory read bandwidth and prints the decode roofline, tokens/s = bandwidth / bytes read
+per step (all weights, the tied head included, plus the KV cache). Compile time is reported apart
+from steady-state time. Needs the test extra (torch) for the HF side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+WORDS = ("river mountain bread window garden music winter paper silver forest market candle ocean letter "
+         "bridge quiet bright old busy cold morning evening station harbour library orchard").split()
+
+
+def prompt_ids(tokenizer, length: int, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    text = " ".join(f"The {rng.choice(WORDS)} near the {rng.choice(WORDS)} was {rng.choice(WORDS)}."
+                    for _ in range(length))
+    return tokenizer.encode(text, add_special_tokens=False).ids[:length]
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_ours(lengths, new_tokens) -> dict:
+    import dataclasses
+
+    import lookm_jax
+    from lookm_jax.convert.gguf import smollm2_gguf_path
+
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["LOOKM_CACHE"] = cache
+        start = time.perf_counter()
+        lookm_jax.load_default()
+        out["load_default_cold_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        lookm_jax.load_default()
+        out["load_default_warm_s"] = time.perf_counter() - start
+    model = lookm_jax.load(smollm2_gguf_path())
+    model = dataclasses.replace(model, config=dataclasses.replace(model.config, eos_token_ids=()))  # run all steps
+    for length in lengths:
+        ids = np.asarray([prompt_ids(model.tokenizer, length)], np.int32)
+        first = model.run(ids, max_new_tokens=new_tokens)
+        runs = [model.run(ids, max_new_tokens=new_tokens) for _ in range(2)]
+        best = min(runs, key=lambda r: r.prefill_seconds + r.decode_seconds)
+        out[length] = {"compile_s": first.compile_seconds, "prefill_s": best.prefill_seconds,
+                       "decode_tok_s": (new_tokens - 1) / best.decode_seconds, "kv_bytes": best.cache_bytes}
+    out["weight_bytes"] = sum(a.nbytes for a in __import__("jax").tree.leaves(model.params))
+    out["peak_rss_mib"] = peak_rss_mib()
+    return out
+
+
+def run_hf(lengths, new_tokens) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lookm_jax.convert.gguf import read_gguf, smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    tokenizer = read_gguf(path).tokenizer
+    out = {}
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32).eval()
+    out["load_s"] = time.perf_counter() - start
+    for length in lengths:
+        ids = torch.as_tensor([prompt_ids(tokenizer, length)])
+        best = None
+        for _ in range(2):
+            with torch.no_grad():
+                start = time.perf_counter()
+                model(ids, logits_to_keep=1)
+                prefill = time.perf_counter() - start
+                start = time.perf_counter()
+                model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                               pad_token_id=0)
+                total = time.perf_counter() - start
+            run = {"prefill_s": prefill, "decode_tok_s": (new_tokens - 1) / max(total - prefill, 1e-9)}
+            best = run if best is None or run["prefill_s"] + 1 / run["decode_tok_s"] < best["prefill_s"] + 1 / best[
+                "decode_tok_s"] else best
+        out[length] = best
+    out["peak_rss_mib"] = peak_rss_mib()
+    return out
+
+
+def read_bandwidth_gbs(n_bytes: int = 2**30) -> float:
+    """Best of several full reads of a 1 GiB array by a jitted (multi-threaded) reduction."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        total(x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return n_bytes / min(times) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--engine", choices=("ours", "hf"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.engine:
+        result = (run_ours if args.engine == "ours" else run_hf)(args.lengths, args.new_tokens)
+        print(json.dumps(result))
+        return
+    results = {}
+    for engine in ("ours", "hf"):
+        cmd = [sys.executable, __file__, "--engine", engine, "--lengths", *map(str, args.lengths),
+               "--new-tokens", str(args.new_tokens)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        results[engine] = json.loads(proc.stdout.strip().splitlines()[-1])
+    bandwidth = read_bandwidth_gbs()
+    ours, hf = results["ours"], results["hf"]
+    print(f"memory read bandwidth: {bandwidth:.1f} GB/s; weights {ours['weight_bytes'] / 2**20:.0f} MiB (fp32)")
+    print(f"{'prompt':>6} | {'prefill tok/s ours / HF (ratio)':>32} | {'decode tok/s ours / HF (ratio)':>31} | "
+          f"{'roofline tok/s':>14} | {'ours % roofline':>15} | {'compile s':>9}")
+    for length in map(str, args.lengths):
+        o, h = ours[length], hf[length]
+        prefill_o, prefill_h = int(length) / o["prefill_s"], int(length) / h["prefill_s"]
+        # Bytes read per decode step: every weight, plus the KV cache at its average fill.
+        step_bytes = ours["weight_bytes"] + o["kv_bytes"] * (int(length) + args.new_tokens / 2) / (
+            int(length) + args.new_tokens)
+        roofline = bandwidth * 1e9 / step_bytes
+        print(f"{length:>6} | {prefill_o:>9.0f} / {prefill_h:>7.0f} ({prefill_o / prefill_h:>5.2f}x)      | "
+              f"{o['decode_tok_s']:>8.2f} / {h['decode_tok_s']:>6.2f} ({o['decode_tok_s'] / h['decode_tok_s']:>5.2f}x)"
+              f"      | {roofline:>14.1f} | {100 * o['decode_tok_s'] / roofline:>14.0f}% | {o['compile_s']:>9.1f}")
+    print(f"peak RSS MiB: ours {ours['peak_rss_mib']:.0f}, HF {hf['peak_rss_mib']:.0f}")
+    print(f"load: load_default() cold {ours['load_default_cold_s']:.1f} s, from its converted cache "
+          f"{ours['load_default_warm_s']:.1f} s; transformers from_pretrained(gguf_file=...) {hf['load_s']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
