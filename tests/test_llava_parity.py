@@ -15,10 +15,10 @@ BF16_REL_TOL = 2e-2  # max abs difference / max abs logit
 
 
 def hf_logits(model, ids, pixels, mask=None):
+    kwargs = {} if pixels is None else {"pixel_values": torch.as_tensor(pixels)}
     with torch.no_grad():
         out = model(input_ids=torch.as_tensor(ids, dtype=torch.long),
-                    pixel_values=None if pixels is None else torch.as_tensor(pixels),
-                    attention_mask=None if mask is None else torch.as_tensor(mask))
+                    attention_mask=None if mask is None else torch.as_tensor(mask), **kwargs)
     return out.logits.float().numpy()
 
 
@@ -86,3 +86,21 @@ def test_greedy_generation_matches_hf(tmp_path, rng):
         ref = hf.generate(input_ids=torch.as_tensor(ids, dtype=torch.long), pixel_values=torch.as_tensor(pixels),
                           max_new_tokens=12, do_sample=False).numpy()[:, ids.shape[1]:]
     np.testing.assert_array_equal(model.generate(ids, pixels, max_new_tokens=12), ref)
+
+
+def test_text_only_llama_with_llama3_rope_scaling(tmp_path):
+    """A plain LlamaForCausalLM folder with Llama-3 RoPE scaling and GQA, past the original context."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=2, vocab_size=97, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 32})
+    hf = LlamaForCausalLM(config).eval()
+    hf.save_pretrained(str(tmp_path))
+    model = lookm_jax.load(str(tmp_path))
+    assert model.text_config.rope.factor == 8.0 and not model.is_multimodal
+    ids = np.random.default_rng(0).integers(0, 97, (1, 300))
+    np.testing.assert_allclose(model.logits(ids), hf_logits(hf, ids, None), atol=FP32_TOL, rtol=0)
