@@ -138,3 +138,22 @@ def test_save_converted_handles_strided_arrays(tmp_path):
     _, loaded, _ = store.load_converted(str(tmp_path / "c"))
     np.testing.assert_array_equal(loaded["text"]["w"], weight.T)
     np.testing.assert_array_equal(loaded["text"]["stacked"], np.stack([weight.T, weight.T + 1]))
+
+
+def test_runtime_path_imports_neither_torch_nor_transformers(checkpoint):
+    """Load + convert + preprocess + generate in a fresh interpreter: torch/transformers stay unimported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np, lookm_jax\n"
+        "from lookm_jax.models.image_processing import CLIPImageProcessorConfig, preprocess_images\n"
+        f"m = lookm_jax.load({str(checkpoint)!r})\n"
+        "px = preprocess_images([np.zeros((40, 50, 3), np.uint8)], CLIPImageProcessorConfig.from_hf_dict("
+        "{'size': {'shortest_edge': 30}, 'crop_size': {'height': 30, 'width': 30}}))\n"
+        "ids = np.array([[3] + [m.config.image_token_id] * m.config.image_seq_length + [4]])\n"
+        "m.generate(ids, px, max_new_tokens=2)\n"
+        "print(sorted(k for k in ('torch', 'transformers') if k in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
