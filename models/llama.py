@@ -118,8 +118,10 @@ def final_hidden(cfg: LlamaConfig, params: dict, h: jax.Array) -> jax.Array:
 
 def lm_logits(params: dict, h: jax.Array) -> jax.Array:
     """Final-normed hidden [..., H] -> fp32 logits [..., V] (tied or untied head)."""
-    head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    return jnp.einsum("...h,hv->...v", h, head, preferred_element_type=jnp.float32)
+    if "lm_head" in params:
+        return jnp.einsum("...h,hv->...v", h, params["lm_head"], preferred_element_type=jnp.float32)
+    # Tied: contract against embed [V, H] directly; `embed.T` would be materialised every decode step.
+    return jnp.einsum("...h,vh->...v", h, params["embed"], preferred_element_type=jnp.float32)
 
 
 def embed_tokens(params: dict, ids: jax.Array) -> jax.Array:
