@@ -2,9 +2,16 @@
 
 Every scorer here returns one score per KV head: with grouped-query attention the G = Hq / Hkv
 query heads of a group are scored separately and their scores averaged (arithmetic mean).
-Logits (at Precision.HIGHEST, so no TF32 / bf16 passes on GPU / TPU), softmax and accumulation
-are fp32 whatever the input dtype. Causality is by index along the
-prompt axis (query i sees keys j <= i); tokens with ``valid == False`` are neither queries nor keys.
+Causality is by index along the prompt axis (query i sees keys j <= i); tokens with
+``valid == False`` are neither queries nor keys.
+
+Eq. 4 and RoCo only need column statistics of the prompt's softmax rows (``STATISTICS``: sums
+and sums of squares over queries, per query head). The decoder's prefill attention accumulates
+them while it attends (``models/llama.py``, ``causal_attention``), so a method that declares them
+(``Method.statistics``) scores for almost nothing; those are the probabilities the model really
+used (its dtype and matmul precision, softmax in fp32). The standalone functions here recompute
+them from queries and keys: logits at Precision.HIGHEST (no TF32 / bf16 passes on GPU / TPU),
+softmax and accumulation in fp32 whatever the input dtype.
 """
 
 from __future__ import annotations
@@ -46,11 +53,40 @@ def _probs(q: jax.Array, k: jax.Array, q_pos: jax.Array, q_ok: jax.Array, k_ok: 
     return jnp.where(allowed & q_ok[:, None, None, :, None], p, 0.0)
 
 
-def _column_sums(queries, keys, valid, block: int, squares: bool) -> tuple[jax.Array, ...]:
-    """Blockwise sums over valid queries of p (and, with ``squares``, of p**2), per query head.
+SUMS = "sums"  # sum over valid queries i of p_ij (eq. 4 before the GQA mean)
+SQUARES = "squares"  # sum over valid queries i of p_ij ** 2 (RoCo's spread)
+STATISTICS = (SUMS, SQUARES)
+
+
+def column_stats_of_block(p: jax.Array, q_ok: jax.Array, names: tuple[str, ...]) -> dict[str, jax.Array]:
+    """Column statistics of one block of softmax rows.
+
+    p [B, Hkv, G, Q, K] fp32 probabilities of Q queries over K keys, q_ok [B, Q] (rows of invalid
+    queries are ignored). Returns {name: [B, Hkv, G, K] fp32} for each of ``names`` (see
+    ``STATISTICS``). Callers sum the blocks: ``causal_attention`` of the decoder does so while it
+    attends, and ``column_stats`` here does so standalone.
+    """
+    unknown = set(names) - set(STATISTICS)
+    if unknown:
+        raise ValueError(f"unknown attention statistics {sorted(unknown)}; known: {STATISTICS}")
+    p = jnp.where(q_ok[:, None, None, :, None], p, 0.0)
+    return {name: (p if name == SUMS else p * p).sum(axis=-2) for name in names}
+
+
+@functools.partial(jax.jit, static_argnames=("names", "block"))
+def column_stats(queries: jax.Array, keys: jax.Array, valid: jax.Array, names: tuple[str, ...],
+                 *, block: int = 128) -> dict[str, jax.Array]:
+    """Column statistics of the causal, padding-masked attention of a prompt, per query head.
 
     Scans over query blocks of ``block`` rows; each step holds only [B, Hq, block, L] (every row
-    of a block sees all keys, so its log-sum-exp is exact). Returns one or two [B, Hkv, G, L].
+    of a block sees all keys, so its log-sum-exp is exact).
+
+    Args:
+      queries: [B, Hq, L, D]; keys: [B, Hkv, L, D], RoPE applied; valid: [B, L] bool.
+      names: static, a tuple of ``STATISTICS`` entries.
+      block: static; query rows per scan step (L need not be a multiple of it).
+    Returns:
+      {name: [B, Hkv, G, L] float32}, G = Hq // Hkv; 0 at padding.
     """
     b, _, l, d = queries.shape
     hkv = keys.shape[1]
@@ -67,12 +103,25 @@ def _column_sums(queries, keys, valid, block: int, squares: bool) -> tuple[jax.A
     def step(carry, xs):
         q_blk, pos_blk, ok_blk = xs
         p = _probs(q_blk, keys, pos_blk, ok_blk, valid)  # [B, Hkv, G, blk, L]
-        sums = (p.sum(axis=-2), (p * p).sum(axis=-2)) if squares else (p.sum(axis=-2),)
-        return tuple(c + s for c, s in zip(carry, sums)), None
+        stats = column_stats_of_block(p, ok_blk, names)
+        return {name: carry[name] + stats[name] for name in names}, None
 
-    zeros = jnp.zeros((b, hkv, g, l), jnp.float32)
-    sums, _ = lax.scan(step, (zeros,) * (1 + squares), (q, q_pos, q_ok))
-    return sums
+    zeros = {name: jnp.zeros((b, hkv, g, l), jnp.float32) for name in names}
+    stats, _ = lax.scan(step, zeros, (q, q_pos, q_ok))
+    return stats
+
+
+def scores_from_stats(stats: dict[str, jax.Array]) -> jax.Array:
+    """Eq. 4 from column statistics: {SUMS: [B, Hkv, G, L]} -> A_s [B, Hkv, L], mean over the group."""
+    return stats[SUMS].mean(axis=2)
+
+
+def mean_std_from_stats(stats: dict[str, jax.Array], valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """RoCo statistics from {SUMS, SQUARES: [B, Hkv, G, L]} and valid [B, L] (see ``attention_mean_std``)."""
+    n = jnp.where(valid, count_from_end(valid), 1).astype(jnp.float32)[:, None, None, :]  # n_j
+    mean = stats[SUMS] / n
+    std = jnp.sqrt(jnp.maximum(stats[SQUARES] / n - mean * mean, 0.0))
+    return mean.mean(axis=2), std.mean(axis=2)
 
 
 @functools.partial(jax.jit, static_argnames=("block",))
@@ -91,8 +140,7 @@ def attention_scores(queries: jax.Array, keys: jax.Array, valid: jax.Array, *, b
     Returns:
       [B, Hkv, L] float32; 0 at padding.
     """
-    (s,) = _column_sums(queries, keys, valid, block, squares=False)  # [B, Hkv, G, L]
-    return s.mean(axis=2)
+    return scores_from_stats(column_stats(queries, keys, valid, (SUMS,), block=block))
 
 
 @functools.partial(jax.jit, static_argnames=("block",))
@@ -106,11 +154,7 @@ def attention_mean_std(
     Shapes and ``block`` (static) as in ``attention_scores``. Returns two [B, Hkv, L] float32
     arrays, 0 at padding.
     """
-    s, s2 = _column_sums(queries, keys, valid, block, squares=True)  # [B, Hkv, G, L]
-    n = jnp.where(valid, count_from_end(valid), 1).astype(jnp.float32)[:, None, None, :]  # n_j
-    mean = s / n
-    std = jnp.sqrt(jnp.maximum(s2 / n - mean * mean, 0.0))
-    return mean.mean(axis=2), std.mean(axis=2)
+    return mean_std_from_stats(column_stats(queries, keys, valid, STATISTICS, block=block), valid)
 
 
 def _pool(x: jax.Array, kernel_size: int, pooling: str) -> jax.Array:

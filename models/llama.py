@@ -11,7 +11,7 @@ Three entry points share the layer body: `forward` (whole sequence, no cache: lo
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,10 @@ import numpy as np
 from lookm_jax.cache import KVCache
 from lookm_jax.models.config import LlamaConfig, RopeConfig
 from lookm_jax.models.layers import linear, rms_norm
+from lookm_jax.scoring import column_stats_of_block
+
+if TYPE_CHECKING:
+    from lookm_jax.methods import Method
 
 # Query block of the prefill attention: scores are [B, Hq, block, <=L], never [B, Hq, L, L].
 ATTENTION_BLOCK = 256
@@ -56,12 +60,12 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Softmax attention with GQA, softmax in fp32.
+def attention_probs(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax rows with GQA, logits accumulated and softmax taken in fp32.
 
-    q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D], mask bool broadcastable to [B, Hkv, 1, Lq, Lk]
-    -> [B, Hq, Lq, D]. A group's query heads are stacked along the query axis, so each KV head is
-    one plain matmul and no K/V repeat is materialised.
+    q [B, Hq, Lq, D], k [B, Hkv, Lk, D], mask bool broadcastable to [B, Hkv, 1, Lq, Lk]
+    -> [B, Hkv, G, Lq, Lk] fp32, G = Hq // Hkv. A group's query heads are stacked along the query
+    axis, so each KV head is one plain matmul and no K repeat is materialised.
     """
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -69,26 +73,57 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     qg = q.reshape(b, hkv, g * lq, d)
     scores = jnp.einsum("bhqd,bhkd->bhqk", qg, k, preferred_element_type=jnp.float32) * d**-0.5
     scores = jnp.where(mask, scores.reshape(b, hkv, g, lq, lk), _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hkv, g * lq, lk)
-    return jnp.einsum("bhqk,bhkd->bhqd", probs, v).reshape(b, hq, lq, d)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def _mix_values(probs: jax.Array, v: jax.Array) -> jax.Array:
+    """probs [B, Hkv, G, Lq, Lk], v [B, Hkv, Lk, D] -> [B, Hkv * G, Lq, D] in v's dtype."""
+    b, hkv, g, lq, lk = probs.shape
+    probs = probs.astype(v.dtype).reshape(b, hkv, g * lq, lk)
+    return jnp.einsum("bhqk,bhkd->bhqd", probs, v).reshape(b, hkv * g, lq, v.shape[-1])
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax attention with GQA (``attention_probs``); q [B, Hq, Lq, D] -> [B, Hq, Lq, D]."""
+    return _mix_values(attention_probs(q, k, mask), v)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
-                     block: int = ATTENTION_BLOCK) -> jax.Array:
+                     block: int = ATTENTION_BLOCK,
+                     statistics: tuple[str, ...] = ()) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Causal self-attention over a padded prompt, one query block at a time.
 
     q [B, Hq, L, D], k/v [B, Hkv, L, D], valid [B, L] (padding keys are never attended).
     Query block i only reads keys [0, end of block i): the blocks are unrolled at trace time (L is
-    static), so the masked upper triangle is never computed and memory is O(L x block).
+    static), so the masked upper triangle is never computed. Each block's q/k/v slices carry a
+    zero-valued data dependency on the previous block's results (0 * x is not folded for floats),
+    so XLA runs the blocks one after another: scheduled breadth-first, every block's [block, end]
+    probabilities and key/value prefixes would be live at once (O(L^2)); in order, memory is
+    O(L x block).
+
+    ``statistics`` (static; names from ``lookm_jax.scoring.STATISTICS``) are accumulated from the
+    same softmax rows over the valid queries, which is all that eq. 4 scoring needs: a method that
+    declares them costs no second attention pass. Returns (out [B, Hq, L, D],
+    {name: [B, Hkv, G, L] fp32}), the dict empty when no statistics are asked for.
     """
-    length = q.shape[2]
+    b, hq, length, _ = q.shape
+    hkv = k.shape[1]
+    stats = {name: jnp.zeros((b, hkv, hq // hkv, length), jnp.float32) for name in statistics}
     outs = []
+    previous = jnp.zeros((), jnp.float32)  # one scalar of the previous block's results
     for start in range(0, length, block):
         end = min(start + block, length)
         causal = jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :]  # [Lq, end]
         mask = causal & valid[:, None, None, None, :end]
-        outs.append(attend(q[:, :, start:end], k[:, :, :end], v[:, :, :end], mask))
-    return jnp.concatenate(outs, axis=2)
+        zero = (0 * previous).astype(q.dtype)  # orders this block's slices after the previous block
+        k_blk, v_blk = k[:, :, :end] + zero, v[:, :, :end] + zero  # [B, Hkv, end, D]
+        probs = attention_probs(q[:, :, start:end] + zero, k_blk, mask)  # [B, Hkv, G, Lq, end]
+        outs.append(_mix_values(probs, v_blk))
+        previous = outs[-1][0, 0, 0, 0].astype(jnp.float32)
+        for name, col in column_stats_of_block(probs, valid[:, start:end], statistics).items():
+            stats[name] = stats[name].at[..., :end].add(col)
+            previous = previous + col[0, 0, 0, 0]
+    return jnp.concatenate(outs, axis=2), stats
 
 
 def _project_qkv(cfg: LlamaConfig, lp: dict, h: jax.Array, cos: jax.Array, sin: jax.Array):
@@ -137,23 +172,22 @@ def forward(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array) -> j
 
     def layer(h, lp):
         q, k, v = _project_qkv(cfg, lp, h, cos, sin)
-        return _finish_layer(cfg, lp, h, causal_attention(q, k, v, valid)), None
+        return _finish_layer(cfg, lp, h, causal_attention(q, k, v, valid)[0]), None
 
     h, _ = jax.lax.scan(layer, x, params["layers"])
     return final_hidden(cfg, params, h)
 
 
-CompressFn = Callable[..., object]  # (q, k, v, is_image, valid) -> CompressedKV for one layer
-
-
 def prefill(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array, is_image: jax.Array,
-            compress: CompressFn, kept_slots: int, max_new_tokens: int) -> tuple[jax.Array, KVCache]:
+            method: "Method", kept_slots: int, max_new_tokens: int) -> tuple[jax.Array, KVCache]:
     """Encode a right-padded prompt and build the decode cache, compressing each layer once.
 
-    x [B, L, H] embeddings, valid/is_image [B, L]. `compress(q, k, v, is_image, valid)` returns the
-    layer's kept slots (keys/values [B, Hkv, kept_slots, D], positions [B, Hkv, kept_slots]); it runs
-    inside the layer scan, so only one layer's uncompressed K/V exists at a time. The cache has
-    static capacity kept_slots + max_new_tokens. Returns (normed last-token hidden [B, H], cache).
+    x [B, L, H] embeddings, valid/is_image [B, L]. `method(q, k, v, is_image, valid, stats=...)`
+    returns the layer's kept slots (keys/values [B, Hkv, kept_slots, D], positions
+    [B, Hkv, kept_slots]); it runs inside the layer scan, so only one layer's uncompressed K/V
+    exists at a time, and receives the attention statistics it declares (`method.statistics`),
+    accumulated by the layer's own attention. The cache has static capacity
+    kept_slots + max_new_tokens. Returns (normed last-token hidden [B, H], cache).
     """
     b, length, _ = x.shape
     positions = jnp.broadcast_to(jnp.arange(length), (b, length))
@@ -165,12 +199,13 @@ def prefill(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array, is_i
         h, cache = carry
         index, lp = inputs
         q, k, v = _project_qkv(cfg, lp, h, cos, sin)
-        kept = compress(q, k, v, is_image, valid)
+        attn, stats = causal_attention(q, k, v, valid, statistics=method.statistics)
+        kept = method(q, k, v, is_image, valid, stats=stats)
         cache = cache.replace(
             keys=jax.lax.dynamic_update_slice(cache.keys, kept.keys[None].astype(x.dtype), (index, 0, 0, 0, 0)),
             values=jax.lax.dynamic_update_slice(cache.values, kept.values[None].astype(x.dtype), (index, 0, 0, 0, 0)),
             positions=jax.lax.dynamic_update_slice(cache.positions, kept.positions[None], (index, 0, 0, 0)))
-        return (_finish_layer(cfg, lp, h, causal_attention(q, k, v, valid)), cache), None
+        return (_finish_layer(cfg, lp, h, attn), cache), None
 
     layer_ids = jnp.arange(cfg.num_layers)
     (h, cache), _ = jax.lax.scan(layer, (x, cache), (layer_ids, params["layers"]))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lookm_jax.methods.base import BudgetMethod, Method
+from lookm_jax.methods.base import AttentionMethod, BudgetMethod, Method
 from lookm_jax.methods.full import Full
 from lookm_jax.methods.h2o import H2O
 from lookm_jax.methods.lookm import LookM
@@ -39,4 +39,5 @@ def get_method(name: str, *, budget: float | None = None, **kwargs) -> Method:
     return cls(**kwargs)
 
 
-__all__ = ["METHODS", "BudgetMethod", "Full", "H2O", "LookM", "Method", "RoCo", "SnapKV", "StreamingLLM", "get_method"]
+__all__ = ["METHODS", "AttentionMethod", "BudgetMethod", "Full", "H2O", "LookM", "Method", "RoCo", "SnapKV",
+           "StreamingLLM", "get_method"]

@@ -5,12 +5,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from lookm_jax.compress import CompressedKV
+from lookm_jax.scoring import SUMS, column_stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,16 +20,23 @@ class Method(abc.ABC):
     """A KV-cache compression method.
 
     ``capacity(bucket_len)`` is the static number of prompt slots it keeps for a bucket; calling
-    it on one layer, ``method(queries, keys, values, is_image, valid)`` with queries
+    it on one layer, ``method(queries, keys, values, is_image, valid, stats=None)`` with queries
     [B, Hq, L, D] and keys/values [B, Hkv, L, D] (RoPE applied), is_image/valid [B, L] bool,
     returns a ``CompressedKV`` of that capacity. Pure and traceable with static shapes.
+
+    ``statistics`` (a class constant, so static) names the column statistics of the prompt's
+    causal attention that the method ranks by (``lookm_jax.scoring.STATISTICS``). The prefill
+    accumulates exactly those while it attends and passes them as ``stats``
+    ({name: [B, Hkv, G, L] fp32}, G = Hq // Hkv); methods that declare none ignore ``stats``.
     """
+
+    statistics: ClassVar[tuple[str, ...]] = ()
 
     @abc.abstractmethod
     def capacity(self, bucket_len: int) -> int: ...
 
     @abc.abstractmethod
-    def __call__(self, queries, keys, values, is_image, valid) -> CompressedKV: ...
+    def __call__(self, queries, keys, values, is_image, valid, stats=None) -> CompressedKV: ...
 
 
 def floor_fraction(alpha: float, valid: jax.Array) -> jax.Array:
@@ -60,3 +69,28 @@ class BudgetMethod(Method):
     def budgets(self, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Per-row (M, N), each [B] int32."""
         return floor_fraction(self.alpha_recent, valid), floor_fraction(self.alpha_important, valid)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMethod(BudgetMethod):
+    """A budget method that ranks tokens by column statistics of the prompt's attention.
+
+    Subclasses set ``statistics`` and implement ``compress_from_stats``. Called without ``stats``
+    (standalone use), the statistics are computed from queries and keys by
+    ``scoring.column_stats`` in query blocks of ``block`` rows (static).
+    """
+
+    statistics: ClassVar[tuple[str, ...]] = (SUMS,)
+    block: int = 128
+
+    def __call__(self, queries, keys, values, is_image, valid, stats=None) -> CompressedKV:
+        if stats is None:
+            stats = column_stats(queries, keys, valid, self.statistics, block=self.block)
+        missing = set(self.statistics) - set(stats)
+        if missing:
+            raise ValueError(f"{type(self).__name__} needs attention statistics {sorted(missing)}")
+        return self.compress_from_stats(keys, values, is_image, valid, stats)
+
+    @abc.abstractmethod
+    def compress_from_stats(self, keys, values, is_image, valid, stats) -> CompressedKV:
+        """keys/values [B, Hkv, L, D], is_image/valid [B, L], stats {name: [B, Hkv, G, L]}."""

@@ -17,7 +17,7 @@ class Full(Method):
     def capacity(self, bucket_len: int) -> int:
         return bucket_len
 
-    def __call__(self, queries, keys, values, is_image, valid) -> CompressedKV:
+    def __call__(self, queries, keys, values, is_image, valid, stats=None) -> CompressedKV:
         b, h, length, _ = keys.shape
         mask = jnp.broadcast_to(valid[:, None, :], (b, h, length))  # [B, Hkv, L]
         positions = jnp.where(mask, jnp.arange(length, dtype=jnp.int32), -1)

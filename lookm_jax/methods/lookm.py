@@ -7,19 +7,19 @@ import math
 
 from lookm_jax.compress import CompressedKV, compress_kv
 from lookm_jax.merge import MERGES
-from lookm_jax.methods.base import BudgetMethod
-from lookm_jax.scoring import attention_scores
+from lookm_jax.methods.base import AttentionMethod
+from lookm_jax.scoring import scores_from_stats
 
 
 @dataclasses.dataclass(frozen=True)
-class LookM(BudgetMethod):
+class LookM(AttentionMethod):
     """Recent M + top N by A_s (eq. 4), text-prior (eq. 5), merging (eq. 9-12).
 
     Paper default: text_prior=True, merge="pivotal", alpha_recent = alpha_important = 0.1.
     Reproductions of the authors' code, off by default (see ``compress_kv``): ``n_sink`` (their
     non-text-prior merges keep 4 sinks), ``similarity_filter``, ``keep_all_text`` (the cache may
     then exceed M + N: its static capacity is floor(capacity_ratio * bucket_len), or the whole
-    bucket when capacity_ratio is None). ``block``: scoring / similarity block size.
+    bucket when capacity_ratio is None). ``block`` is also the token block of the similarity scan.
     """
 
     text_prior: bool = True
@@ -28,7 +28,6 @@ class LookM(BudgetMethod):
     similarity_filter: bool = False
     keep_all_text: bool = False
     capacity_ratio: float | None = None
-    block: int = 128
 
     def __post_init__(self):
         super().__post_init__()
@@ -48,11 +47,10 @@ class LookM(BudgetMethod):
             return bucket_len
         return min(bucket_len, max(super().capacity(bucket_len), math.floor(self.capacity_ratio * bucket_len)))
 
-    def __call__(self, queries, keys, values, is_image, valid) -> CompressedKV:
+    def compress_from_stats(self, keys, values, is_image, valid, stats) -> CompressedKV:
         m, n = self.budgets(valid)
-        scores = attention_scores(queries, keys, valid, block=self.block)
         return compress_kv(
-            keys, values, scores, is_image=is_image, valid=valid, n_recent=m, n_important=n,
+            keys, values, scores_from_stats(stats), is_image=is_image, valid=valid, n_recent=m, n_important=n,
             text_prior=self.text_prior, merge=self.merge, n_sink=self.n_sink,
             similarity_filter=self.similarity_filter, keep_all_text=self.keep_all_text,
             capacity=self.capacity(keys.shape[2]), block=self.block,

@@ -32,7 +32,7 @@ class SnapKV(BudgetMethod):
         if self.window is not None and self.window < 1:
             raise ValueError(f"window must be >= 1 or None, got {self.window}")
 
-    def __call__(self, queries, keys, values, is_image, valid) -> CompressedKV:
+    def __call__(self, queries, keys, values, is_image, valid, stats=None) -> CompressedKV:
         m, n = self.budgets(valid)
         length = keys.shape[2]
         if self.window is None:

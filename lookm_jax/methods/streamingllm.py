@@ -21,7 +21,7 @@ class StreamingLLM(BudgetMethod):
 
     n_sink: int = 4
 
-    def __call__(self, queries, keys, values, is_image, valid) -> CompressedKV:
+    def __call__(self, queries, keys, values, is_image, valid, stats=None) -> CompressedKV:
         m, n = self.budgets(valid)
         sinks = jnp.minimum(self.n_sink, m + n)
         return compress_kv(

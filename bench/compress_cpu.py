@@ -1,0 +1,208 @@
+"""LOOK-M on the SmolLM2 demo model, CPU: decode speed vs cache size, prefill cost, prefill memory.
+
+    python bench/compress_cpu.py [--length 4096] [--new-tokens 64] [--repeats 3]
+                                 [--rss-lengths 4096 8192 16384]
+
+Prints one table of figures and ratios (steady-state times are the best of --repeats runs,
+interleaved across configurations; compile time is reported apart):
+  * decode ms/token with the full cache and LOOK-M (paper default: text-prior, pivotal merge) at
+    20% and 5% budget, and the ratio to full; the bytes one decode step reads (decoder weights,
+    the tied head included, + the whole static K/V cache: empty slots are masked, not skipped),
+    the bound bytes / bandwidth with the memory read bandwidth measured in the same run, and how
+    close each measured step comes to its bound;
+  * prefill + compression time over plain prefill (full cache), also with the scores recomputed
+    by the standalone scorer (``scoring.column_stats``) instead of taken from the prefill's own
+    attention: the path before the two were fused;
+  * peak RSS (ru_maxrss) of prefill + scoring + compression at each --rss-lengths, each in a fresh
+    subprocess whose peak counter is reset (/proc/self/clear_refs) after the model is loaded and
+    the program compiled, so neither is counted. These run first, while this process is small.
+Prompts are ~80% image tokens: demo images of 256 tokens (the two bundled pictures, cycled) and
+filler text. The demo's vision tower is untrained, which does not matter for speed or memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from decode_cpu import WORDS, peak_rss_mib, read_bandwidth_gbs
+
+IMAGE_FRACTION = 0.8
+MIB = 2**20
+
+
+def current_rss_mib() -> float:
+    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() / MIB
+
+
+def reset_peak_rss() -> None:
+    """Linux: restart the peak-RSS counter (VmHWM, hence ru_maxrss) from the current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def build_prompt(model, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """A chat prompt of at most `length` tokens, IMAGE_FRACTION of them image tokens.
+
+    -> (ids [1, <= length] int32, pixel_values [n_images, 3, 224, 224] float32)."""
+    from PIL import Image
+
+    from lookm_jax.cli import DEFAULT_IMAGES
+    from lookm_jax.models.image_processing import CLIPImageProcessorConfig, preprocess_images
+
+    n_images = round(IMAGE_FRACTION * length / model.config.image_seq_length)
+    processor = CLIPImageProcessorConfig.from_hf_dict(model.manifest["image_processor"])
+    pictures = preprocess_images([Image.open(p) for p in DEFAULT_IMAGES], processor)
+    pixels = np.resize(pictures, (n_images, *pictures.shape[1:]))  # cycles the pictures
+    words = length - model.encode_chat("", n_images).shape[1]
+    while words >= 0:
+        ids = model.encode_chat(" ".join(WORDS[i % len(WORDS)] for i in range(words)), n_images)
+        if ids.shape[1] <= length:
+            return ids, pixels
+        words -= ids.shape[1] - length
+    raise ValueError(f"{n_images} images of {model.config.image_seq_length} tokens do not fit in {length} tokens")
+
+
+def recomputed_scores(method):
+    """`method` scored by the standalone scorer instead of the prefill attention's statistics."""
+    from lookm_jax.methods import Method
+
+    @dataclasses.dataclass(frozen=True)
+    class RecomputedScores(Method):
+        inner: Method  # statistics stays (): the prefill accumulates none and passes {}
+
+        def capacity(self, bucket_len: int) -> int:
+            return self.inner.capacity(bucket_len)
+
+        def __call__(self, queries, keys, values, is_image, valid, stats=None):
+            return self.inner(queries, keys, values, is_image, valid)  # stats=None: recompute
+
+    return RecomputedScores(method)
+
+
+def rss_child(length: int, new_tokens: int) -> dict:
+    """Peak RSS of one LOOK-M 20% prefill (+ scoring + compression) of a `length`-token prompt."""
+    import jax
+    import jax.numpy as jnp
+
+    import lookm_jax
+    from lookm_jax import generate as gen
+
+    model = lookm_jax.load_default()
+    ids, pixels = build_prompt(model, length)
+    packed, valid = gen.pack_prompts(ids, buckets=model.buckets)
+    args = (model.config, model.params, jnp.asarray(packed), jnp.asarray(valid), jnp.asarray(pixels),
+            jax.random.key(0))
+    start = time.perf_counter()
+    prefill = gen.prefill.lower(*args, method=lookm_jax.get_method("lookm", budget=0.2),
+                                max_new_tokens=new_tokens, sampling=gen.Sampling()).compile()
+    compile_s = time.perf_counter() - start
+    reset_peak_rss()
+    before = current_rss_mib()
+    start = time.perf_counter()
+    jax.block_until_ready(prefill(*args[1:]))
+    prefill_s = time.perf_counter() - start
+    n_image = int((packed == model.config.image_token_id).sum())
+    return {"tokens": int(valid.sum()), "bucket": packed.shape[1], "image": n_image,
+            "before_mib": before, "peak_mib": peak_rss_mib(), "compile_s": compile_s, "prefill_s": prefill_s}
+
+
+def time_configs(model, ids, pixels, configs: dict, new_tokens: int, repeats: int) -> dict:
+    """Compile, then `repeats` interleaved rounds of every config; best prefill and decode times."""
+    out = {}
+    for name, method in configs.items():
+        r = model.run(ids, pixels, max_new_tokens=new_tokens, method=method)
+        out[name] = {"compile_s": r.compile_seconds, "prefill_s": [], "decode_ms": [], "cache_bytes": r.cache_bytes,
+                     "kept": float(r.kept_image_tokens[0] + r.kept_text_tokens[0]),
+                     "kept_text": float(r.kept_text_tokens[0])}
+    for _ in range(repeats):
+        for name, method in configs.items():
+            r = model.run(ids, pixels, max_new_tokens=new_tokens, method=method)
+            assert int(r.lengths[0]) == new_tokens
+            out[name]["prefill_s"].append(r.prefill_seconds)
+            out[name]["decode_ms"].append(r.decode_ms_per_token)
+    for row in out.values():
+        row["prefill_s"], row["decode_ms"] = min(row["prefill_s"]), min(row["decode_ms"])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--length", type=int, default=4096, help="prompt tokens of the speed runs")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rss-lengths", type=int, nargs="*", default=[4096, 8192, 16384])
+    parser.add_argument("--rss-child", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rss_child:
+        print(json.dumps(rss_child(args.rss_child, args.new_tokens)))
+        return
+    load_start = os.getloadavg()
+    rss = []
+    for length in args.rss_lengths:
+        cmd = [sys.executable, __file__, "--rss-child", str(length), "--new-tokens", str(args.new_tokens)]
+        rss.append(json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()[-1]))
+
+    import jax
+
+    import lookm_jax
+
+    model = lookm_jax.load_default()
+    text_cfg = dataclasses.replace(model.config.text, eos_token_ids=())  # always decode every step
+    model = dataclasses.replace(model, config=dataclasses.replace(model.config, text=text_cfg))
+    ids, pixels = build_prompt(model, args.length)
+    lookm20 = lookm_jax.get_method("lookm", budget=0.2)
+    configs = {"full": lookm_jax.get_method("full"), "LOOK-M 20%": lookm20,
+               "LOOK-M 5%": lookm_jax.get_method("lookm", budget=0.05),
+               "LOOK-M 20%, scores recomputed": recomputed_scores(lookm20)}
+    timed = time_configs(model, ids, pixels, configs, args.new_tokens, args.repeats)
+    bandwidth = read_bandwidth_gbs()
+    load_end = os.getloadavg()
+
+    n_image = int((ids == model.config.image_token_id).sum())
+    weight_bytes = sum(a.nbytes for a in jax.tree.leaves(model.params["text"]))
+    print(f"command: python bench/compress_cpu.py {' '.join(sys.argv[1:])}".rstrip())
+    print(f"SmolLM2-135M demo, fp32, {os.cpu_count()} CPU cores; prompt {ids.shape[1]} tokens "
+          f"({n_image} image = {n_image / ids.shape[1]:.0%}), {args.new_tokens} new tokens; "
+          f"best of {args.repeats} interleaved runs")
+    print(f"load average 1/5/15 min: {' '.join(f'{x:.2f}' for x in load_start)} at start, "
+          f"{' '.join(f'{x:.2f}' for x in load_end)} at end")
+    print(f"memory read bandwidth {bandwidth:.1f} GB/s (jitted sum of 1 GiB, best of 5); "
+          f"decoder weights {weight_bytes / MIB:.0f} MiB\n")
+    full = timed["full"]
+    bound_full = (weight_bytes + full["cache_bytes"]) / bandwidth / 1e6
+    print(f"{'cache':<30} | {'kept/head':>9} | {'text kept':>9} | {'K/V MiB':>7} | {'decode ms/tok':>13} | "
+          f"{'speed-up':>8} | {'read/step MiB':>13} | {'bound ms/tok':>12} | {'bound speed-up':>14} | "
+          f"{'% of bound':>10} | {'prefill s':>9} | {'vs full':>7} | {'compile s':>9}")
+    for name, row in timed.items():
+        step_bytes = weight_bytes + row["cache_bytes"]
+        bound = step_bytes / bandwidth / 1e6
+        print(f"{name:<30} | {row['kept']:>9.0f} | {row['kept_text']:>9.0f} | {row['cache_bytes'] / MIB:>7.1f} | "
+              f"{row['decode_ms']:>13.1f} | {full['decode_ms'] / row['decode_ms']:>7.2f}x | "
+              f"{step_bytes / MIB:>13.0f} | "
+              f"{bound:>12.1f} | {bound_full / bound:>13.2f}x | {100 * bound / row['decode_ms']:>9.0f}% | "
+              f"{row['prefill_s']:>9.2f} | {row['prefill_s'] / full['prefill_s']:>6.2f}x | {row['compile_s']:>9.1f}")
+    print(f"\npeak RSS of one LOOK-M 20% prefill + scoring + compression (fresh process each; "
+          f"counter reset after load and compile)")
+    print(f"{'prompt':>6} | {'image':>5} | {'bucket':>6} | {'RSS before MiB':>14} | {'peak MiB':>8} | "
+          f"{'peak - before':>13} | {'tokens vs first':>15} | {'growth vs first':>15} | {'prefill s':>9} | "
+          f"{'compile s':>9}")
+    first = rss[0] if rss else {}
+    for row in rss:
+        growth = (row["peak_mib"] - row["before_mib"]) / (first["peak_mib"] - first["before_mib"])
+        print(f"{row['tokens']:>6} | {row['image'] / row['tokens']:>5.0%} | {row['bucket']:>6} | "
+              f"{row['before_mib']:>14.0f} | {row['peak_mib']:>8.0f} | {row['peak_mib'] - row['before_mib']:>13.0f} | "
+              f"{row['tokens'] / first['tokens']:>14.2f}x | {growth:>14.2f}x | {row['prefill_s']:>9.1f} | "
+              f"{row['compile_s']:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()
