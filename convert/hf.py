@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -20,14 +20,19 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or holds tensors that do not fit its config."""
 
 
+# model_type -> parser of the HF config dict; other architectures register theirs in their own module.
+CONFIG_PARSERS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "llava": LlavaConfig.from_hf,
+    "llama": lambda d: LlamaConfig.from_hf(d, where="config"),
+}
+
+
 def parse_config(hf_config: dict[str, Any]) -> ModelConfig:
-    """An HF config dict (llava or llama) -> our frozen config; refuses what it cannot honour."""
+    """An HF config dict -> our frozen config; refuses what it cannot honour."""
     model_type = hf_config.get("model_type")
-    if model_type == "llava":
-        return LlavaConfig.from_hf(hf_config)
-    if model_type == "llama":
-        return LlamaConfig.from_hf(hf_config, where="config")
-    raise CheckpointError(f"unsupported model_type {model_type!r} (supported: 'llava', 'llama')")
+    if model_type not in CONFIG_PARSERS:
+        raise CheckpointError(f"unsupported model_type {model_type!r} (supported: {sorted(CONFIG_PARSERS)})")
+    return CONFIG_PARSERS[model_type](hf_config)
 
 
 def _shard_files(folder: str) -> list[str]:
@@ -88,29 +93,38 @@ def apply_table(tensors: dict[str, np.ndarray], table, prefix: str, num_layers: 
     return params
 
 
+def llava_vision_params(config: LlavaConfig, tensors: dict[str, np.ndarray], dtype) -> dict:
+    """Pop the CLIP tower and projector of a LLaVA checkpoint -> {"vision": ..., "projector": ...}."""
+    for name in tables.CLIP_UNUSED:
+        tensors.pop("vision." + name, None)
+    return {
+        "vision": apply_table(tensors, tables.CLIP_TABLE, "vision.", config.vision.num_layers,
+                              tables.clip_shapes(config.vision), dtype),
+        "projector": apply_table(tensors, tables.PROJECTOR_TABLE, "projector.", 0, tables.projector_shapes(config),
+                                 dtype, skip=() if config.projector_bias else ("b1", "b2")),
+    }
+
+
+# multimodal config type -> fn(config, tensors, dtype) popping the non-text tensors into params.
+VISION_PARAMS: dict[type, Callable[[Any, dict[str, np.ndarray], Any], dict]] = {LlavaConfig: llava_vision_params}
+
+
 def params_from_hf(config: ModelConfig, tensors: dict[str, np.ndarray], dtype=np.float32) -> dict:
-    """Canonically named HF tensors -> {"text": ..., ["vision": ..., "projector": ...]}.
+    """Canonically named HF tensors -> {"text": ..., [vision parts: "vision", "projector", ...]}.
 
     Consumes `tensors`; any tensor no table row explains is an error (it would be silently unused).
     """
-    text_cfg = config.text if isinstance(config, LlavaConfig) else config
+    multimodal = not isinstance(config, LlamaConfig)
+    text_cfg = config.text if multimodal else config
     tied = text_cfg.tie_word_embeddings
     if tied:
         tensors.pop("lm_head.weight", None)  # some tied checkpoints still store the head
-    with tqdm(total=3 if isinstance(config, LlavaConfig) else 1, desc="converting", unit="part",
-              leave=False) as bar:
+    with tqdm(total=1 + multimodal, desc="converting", unit="part", leave=False) as bar:
         params = {"text": apply_table(tensors, tables.LLAMA_TABLE, "", text_cfg.num_layers, tables.llama_shapes(text_cfg),
                                       dtype, skip=("lm_head",) if tied else ())}
         bar.update()
-        if isinstance(config, LlavaConfig):
-            for name in tables.CLIP_UNUSED:
-                tensors.pop("vision." + name, None)
-            params["vision"] = apply_table(tensors, tables.CLIP_TABLE, "vision.", config.vision.num_layers,
-                                           tables.clip_shapes(config.vision), dtype)
-            bar.update()
-            params["projector"] = apply_table(tensors, tables.PROJECTOR_TABLE, "projector.", 0,
-                                              tables.projector_shapes(config), dtype,
-                                              skip=() if config.projector_bias else ("b1", "b2"))
+        if multimodal:
+            params.update(VISION_PARAMS[type(config)](config, tensors, dtype))
             bar.update()
     if tensors:
         raise CheckpointError(f"checkpoint has tensors no mapping explains: {sorted(tensors)[:5]}")

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
 DEFAULT_PROMPT = "Write a haiku about the sea."
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 DEFAULT_IMAGES = [os.path.join(ASSETS, "landscape.png"), os.path.join(ASSETS, "apple.png")]
+
+
+# Command groups: `lookm eval NAME ...`, `lookm plot NAME ...`. Each module listed defines
+# `add_parser(subparsers)`, adding its command with `set_defaults(func=...)`; modules keep heavy
+# imports (jax, matplotlib) inside their command functions so `lookm --help` stays fast.
+GROUP_HELP = {"eval": "evaluate methods on a benchmark", "plot": "draw figures"}
+COMMAND_MODULES: dict[str, tuple[str, ...]] = {"eval": (), "plot": ()}
 
 
 def _mib(n: int) -> str:
@@ -89,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--alpha-important", type=float)
     g.add_argument("--merge", choices=("none", "averaged", "pivotal", "weighted"))
     g.set_defaults(func=cmd_generate)
+    for group, help_text in GROUP_HELP.items():
+        commands = sub.add_parser(group, help=help_text).add_subparsers(dest=f"{group}_command", required=True)
+        for module in COMMAND_MODULES[group]:
+            importlib.import_module(module).add_parser(commands)
     return parser
 
 

@@ -78,7 +78,7 @@ class Model:
 
     @property
     def is_multimodal(self) -> bool:
-        return isinstance(self.config, LlavaConfig)
+        return llava.is_multimodal(self.config)
 
     @property
     def dtype(self):
@@ -103,8 +103,7 @@ class Model:
         if not self.is_multimodal:
             raise ValueError("pixel_values given, but this is a text-only model")
         pixel_values = np.asarray(pixel_values)
-        v = self.config.vision
-        expected = (v.num_channels, v.image_size, v.image_size)
+        expected = self.config.pixel_shape
         if pixel_values.ndim != 4 or pixel_values.shape[1:] != expected:
             raise ValueError(f"pixel_values must be [num_images, {', '.join(map(str, expected))}], "
                              f"got {pixel_values.shape}")
@@ -180,8 +179,11 @@ class Model:
 
     # ---- text ---------------------------------------------------------------------------------
     def encode_chat(self, prompt: str, num_images: int = 0) -> np.ndarray:
-        """A user turn with `num_images` images before the text -> ids [1, L], each image expanded to
-        its placeholder tokens, rendered with the model's chat template."""
+        """A user turn rendered with the model's chat template -> ids [1, L].
+
+        `num_images` images go before the text; "<image>" markers inside `prompt` place further
+        images inline (MileBench-style interleaving). Every image expands to its placeholder tokens.
+        """
         from lookm_jax.convert.tokenizer import apply_chat_template
 
         if self.tokenizer is None:
@@ -192,7 +194,7 @@ class Model:
         template = self.manifest.get("chat_template")
         text = apply_chat_template(template, [{"role": "user", "content": content}]) if template else content
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        if num_images:
+        if self.is_multimodal:
             image_id = self.config.image_token_id
             ids = [t for i in ids for t in ([i] * self.config.image_seq_length if i == image_id else [i])]
         return np.asarray([ids], np.int32)

@@ -175,6 +175,11 @@ class LlavaConfig:
         return self.vision.num_patches + (self.vision_feature_select_strategy == "full")
 
     @property
+    def pixel_shape(self) -> tuple[int, int, int]:
+        """(C, H, W) of one image of pixel_values."""
+        return (self.vision.num_channels, self.vision.image_size, self.vision.image_size)
+
+    @property
     def feature_layers(self) -> tuple[int, ...]:
         layer = self.vision_feature_layer
         return tuple(layer) if isinstance(layer, tuple) else (layer,)

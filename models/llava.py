@@ -2,9 +2,16 @@
 
 Params: {"text": llama params, "vision": CLIP params, "projector": {w1, b1, w2, b2}}; a text-only
 model has "text" alone. `embed` is where the modality mask `is_image` is born.
+
+The splice is shared by every multimodal architecture. A multimodal config has `text`
+(LlamaConfig), `image_token_id`, `image_seq_length` (features per unit of pixel_values: an image,
+or a tile for tiling models) and `pixel_shape` (C, H, W of one unit); its type maps to a features
+function in `IMAGE_FEATURES` (other architectures register theirs in their own module).
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +21,7 @@ from lookm_jax.models.config import LlamaConfig, LlavaConfig
 from lookm_jax.models.layers import gelu_exact, linear
 
 
-def image_features(cfg: LlavaConfig, params: dict, pixel_values: jax.Array) -> jax.Array:
+def llava_image_features(cfg: LlavaConfig, params: dict, pixel_values: jax.Array) -> jax.Array:
     """pixel_values [n_images, C, H, W] -> projected features [n_images, T_img, H_text]."""
     n_hidden = cfg.vision.num_layers + 1
     layers = [i % n_hidden for i in cfg.feature_layers]  # negative indices count from the end
@@ -27,11 +34,28 @@ def image_features(cfg: LlavaConfig, params: dict, pixel_values: jax.Array) -> j
     return linear(gelu_exact(linear(x, p["w1"], p.get("b1"))), p["w2"], p.get("b2"))
 
 
-def text_config(cfg: LlavaConfig | LlamaConfig) -> LlamaConfig:
-    return cfg.text if isinstance(cfg, LlavaConfig) else cfg
+# config type -> features(cfg, params, pixel_values [n_units, C, H, W]) -> [n_units, image_seq_length, H_text]
+IMAGE_FEATURES: dict[type, Callable[[Any, dict, jax.Array], jax.Array]] = {LlavaConfig: llava_image_features}
 
 
-def embed(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax.Array,
+def image_features(cfg, params: dict, pixel_values: jax.Array) -> jax.Array:
+    """Projected image features of any registered multimodal architecture."""
+    try:
+        features = IMAGE_FEATURES[type(cfg)]
+    except KeyError:
+        raise TypeError(f"no image features registered for {type(cfg).__name__}") from None
+    return features(cfg, params, pixel_values)
+
+
+def is_multimodal(cfg) -> bool:
+    return not isinstance(cfg, LlamaConfig)
+
+
+def text_config(cfg) -> LlamaConfig:
+    return cfg.text if is_multimodal(cfg) else cfg
+
+
+def embed(cfg, params: dict, input_ids: jax.Array,
           pixel_values: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """input_ids [B, L] (one placeholder per image feature) -> (x [B, L, H], is_image [B, L]).
 
@@ -40,7 +64,7 @@ def embed(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax.Array,
     (llama) config gives an all-False `is_image`.
     """
     x = llama.embed_tokens(params["text"], input_ids)
-    if not isinstance(cfg, LlavaConfig):
+    if not is_multimodal(cfg):
         return x, jnp.zeros(input_ids.shape, bool)
     is_image = input_ids == cfg.image_token_id
     if pixel_values is None:

@@ -1,0 +1,1 @@
+"""Evaluation harnesses: MileBench (`milebench`) and the offline multimodal needle benchmark (`needle`)."""
