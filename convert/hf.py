@@ -11,16 +11,14 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from lookm_jax.convert import tables
+from lookm_jax.convert.tables import CheckpointError, apply_table
 from lookm_jax.models.config import LlamaConfig, LlavaConfig
 
 ModelConfig = LlamaConfig | LlavaConfig
 
 
-class CheckpointError(ValueError):
-    """A checkpoint is missing, corrupt, or holds tensors that do not fit its config."""
-
-
-# model_type -> parser of the HF config dict; other architectures register theirs in their own module.
+# model_type -> parser of the HF config dict. An architecture defines its parser in models/<arch>.py
+# and its converter in convert/<arch>.py (importing convert.tables, never this module) and is listed here.
 CONFIG_PARSERS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "llava": LlavaConfig.from_hf,
     "llama": lambda d: LlamaConfig.from_hf(d, where="config"),
@@ -63,34 +61,6 @@ def read_safetensors(folder: str) -> dict[str, np.ndarray]:
         except (SafetensorError, OSError, ValueError) as err:
             raise CheckpointError(f"{path}: corrupt or unreadable safetensors shard ({err})") from err
     return tensors
-
-
-def _set(tree: dict, path: str, value) -> None:
-    *parents, leaf = path.split(".")
-    for key in parents:
-        tree = tree.setdefault(key, {})
-    tree[leaf] = value
-
-
-def apply_table(tensors: dict[str, np.ndarray], table, prefix: str, num_layers: int,
-                shapes: dict[str, tuple[int, ...]], dtype, skip: tuple[str, ...] = ()) -> dict:
-    """Pop every row's tensors out of `tensors` and build our nested params, shape-checked."""
-    params: dict = {}
-    for ours, hf_name, transform in table:
-        if ours in skip:
-            continue
-        names = ([prefix + hf_name.format(i=i) for i in range(num_layers)] if "{i}" in hf_name
-                 else [prefix + hf_name])
-        missing = [n for n in names if n not in tensors]
-        if missing:
-            raise CheckpointError(f"checkpoint lacks tensor(s) {missing[:3]}{'...' if len(missing) > 3 else ''}")
-        arrays = [(transform or (lambda a: a))(tensors.pop(n)) for n in names]
-        value = np.stack(arrays) if "{i}" in hf_name else np.ascontiguousarray(arrays[0])
-        if value.shape != shapes[ours]:
-            raise CheckpointError(f"{names[0]}: shape {value.shape} after mapping to {ours!r}, "
-                                  f"config implies {shapes[ours]}")
-        _set(params, ours, value.astype(dtype, copy=False))
-    return params
 
 
 def llava_vision_params(config: LlavaConfig, tensors: dict[str, np.ndarray], dtype) -> dict:

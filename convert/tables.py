@@ -17,6 +17,10 @@ from lookm_jax.models.config import CLIPVisionConfig, LlamaConfig, LlavaConfig
 Transform = Callable[[np.ndarray], np.ndarray] | None
 
 
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, or holds tensors that do not fit its config."""
+
+
 def _t(w: np.ndarray) -> np.ndarray:
     """torch Linear [out, in] -> ours [in, out] (a view; made contiguous once, when stacked)."""
     return w.T
@@ -109,3 +113,31 @@ def projector_shapes(cfg: LlavaConfig) -> dict[str, tuple[int, ...]]:
     h_in = cfg.vision.hidden_size * len(cfg.feature_layers)
     h = cfg.text.hidden_size
     return {"w1": (h_in, h), "b1": (h,), "w2": (h, h), "b2": (h,)}
+
+
+def _set(tree: dict, path: str, value) -> None:
+    *parents, leaf = path.split(".")
+    for key in parents:
+        tree = tree.setdefault(key, {})
+    tree[leaf] = value
+
+
+def apply_table(tensors: dict[str, np.ndarray], table, prefix: str, num_layers: int,
+                shapes: dict[str, tuple[int, ...]], dtype, skip: tuple[str, ...] = ()) -> dict:
+    """Pop every row's tensors out of `tensors` and build our nested params, shape-checked."""
+    params: dict = {}
+    for ours, hf_name, transform in table:
+        if ours in skip:
+            continue
+        names = ([prefix + hf_name.format(i=i) for i in range(num_layers)] if "{i}" in hf_name
+                 else [prefix + hf_name])
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise CheckpointError(f"checkpoint lacks tensor(s) {missing[:3]}{'...' if len(missing) > 3 else ''}")
+        arrays = [(transform or (lambda a: a))(tensors.pop(n)) for n in names]
+        value = np.stack(arrays) if "{i}" in hf_name else np.ascontiguousarray(arrays[0])
+        if value.shape != shapes[ours]:
+            raise CheckpointError(f"{names[0]}: shape {value.shape} after mapping to {ours!r}, "
+                                  f"config implies {shapes[ours]}")
+        _set(params, ours, value.astype(dtype, copy=False))
+    return params

@@ -6,7 +6,7 @@ model has "text" alone. `embed` is where the modality mask `is_image` is born.
 The splice is shared by every multimodal architecture. A multimodal config has `text`
 (LlamaConfig), `image_token_id`, `image_seq_length` (features per unit of pixel_values: an image,
 or a tile for tiling models) and `pixel_shape` (C, H, W of one unit); its type maps to a features
-function in `IMAGE_FEATURES` (other architectures register theirs in their own module).
+function in `IMAGE_FEATURES`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def llava_image_features(cfg: LlavaConfig, params: dict, pixel_values: jax.Array
     return linear(gelu_exact(linear(x, p["w1"], p.get("b1"))), p["w2"], p.get("b2"))
 
 
-# config type -> features(cfg, params, pixel_values [n_units, C, H, W]) -> [n_units, image_seq_length, H_text]
+# config type -> features(cfg, params, pixel_values [n_units, C, H, W]) -> [n_units, image_seq_length, H_text].
+# Other architectures define theirs in models/<arch>.py (which must not import this module) and are listed here.
 IMAGE_FEATURES: dict[type, Callable[[Any, dict, jax.Array], jax.Array]] = {LlavaConfig: llava_image_features}
 
 
