@@ -10,9 +10,13 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from lookm_jax.convert import tables
+from lookm_jax.convert import original_llava, tables
+from lookm_jax.convert.internvl import internvl_vision_params
 from lookm_jax.convert.tables import CheckpointError, apply_table
 from lookm_jax.models.config import LlamaConfig, LlavaConfig
+from lookm_jax.models.internvit import InternViTLlavaConfig
+from lookm_jax.models.internvl import InternVLConfig
+from lookm_jax.models.mobilevlm import MobileVLMConfig
 
 ModelConfig = LlamaConfig | LlavaConfig
 
@@ -20,8 +24,11 @@ ModelConfig = LlamaConfig | LlavaConfig
 # model_type -> parser of the HF config dict. An architecture defines its parser in models/<arch>.py
 # and its converter in convert/<arch>.py (importing convert.tables, never this module) and is listed here.
 CONFIG_PARSERS: dict[str, Callable[[dict[str, Any]], Any]] = {
-    "llava": LlavaConfig.from_hf,
+    "llava": original_llava.parse_llava_any,  # llava-hf, or the original layout (incl. InternViT-6B towers)
+    "mobilevlm": original_llava.parse_mobilevlm,
     "llama": lambda d: LlamaConfig.from_hf(d, where="config"),
+    "qwen2": lambda d: LlamaConfig.from_hf(d, where="config"),
+    "internvl": InternVLConfig.from_hf,
 }
 
 
@@ -76,7 +83,12 @@ def llava_vision_params(config: LlavaConfig, tensors: dict[str, np.ndarray], dty
 
 
 # multimodal config type -> fn(config, tensors, dtype) popping the non-text tensors into params.
-VISION_PARAMS: dict[type, Callable[[Any, dict[str, np.ndarray], Any], dict]] = {LlavaConfig: llava_vision_params}
+VISION_PARAMS: dict[type, Callable[[Any, dict[str, np.ndarray], Any], dict]] = {
+    LlavaConfig: llava_vision_params,
+    InternViTLlavaConfig: original_llava.internvit_llava_params,
+    MobileVLMConfig: original_llava.mobilevlm_params,
+    InternVLConfig: internvl_vision_params,
+}
 
 
 def params_from_hf(config: ModelConfig, tensors: dict[str, np.ndarray], dtype=np.float32) -> dict:
@@ -91,7 +103,8 @@ def params_from_hf(config: ModelConfig, tensors: dict[str, np.ndarray], dtype=np
         tensors.pop("lm_head.weight", None)  # some tied checkpoints still store the head
     with tqdm(total=1 + multimodal, desc="converting", unit="part", leave=False) as bar:
         params = {"text": apply_table(tensors, tables.LLAMA_TABLE, "", text_cfg.num_layers, tables.llama_shapes(text_cfg),
-                                      dtype, skip=("lm_head",) if tied else ())}
+                                      dtype, skip=(("lm_head",) if tied else ())
+                                      + (() if text_cfg.qkv_bias else tables.LLAMA_QKV_BIAS))}
         bar.update()
         if multimodal:
             params.update(VISION_PARAMS[type(config)](config, tensors, dtype))
@@ -108,5 +121,6 @@ def load_hf_folder(folder: str, dtype=np.float32) -> tuple[dict[str, Any], Model
         raise CheckpointError(f"{folder}: no config.json")
     with open(config_path) as f:
         hf_config = json.load(f)
+    hf_config = original_llava.with_local_tower_config(hf_config, folder)
     config = parse_config(hf_config)
     return hf_config, config, params_from_hf(config, read_safetensors(folder), dtype)

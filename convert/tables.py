@@ -44,7 +44,12 @@ LLAMA_TABLE: list[tuple[str, str, Transform]] = [
     ("layers.w_gate", "model.layers.{i}.mlp.gate_proj.weight", _t),
     ("layers.w_up", "model.layers.{i}.mlp.up_proj.weight", _t),
     ("layers.w_down", "model.layers.{i}.mlp.down_proj.weight", _t),
+    ("layers.bq", "model.layers.{i}.self_attn.q_proj.bias", None),
+    ("layers.bk", "model.layers.{i}.self_attn.k_proj.bias", None),
+    ("layers.bv", "model.layers.{i}.self_attn.v_proj.bias", None),
 ]
+# Rows present only when the config has q/k/v biases (LlamaConfig.qkv_bias: Qwen2).
+LLAMA_QKV_BIAS = ("layers.bq", "layers.bk", "layers.bv")
 
 CLIP_TABLE: list[tuple[str, str, Transform]] = [
     ("patch_embed", "embeddings.patch_embedding.weight", _conv_to_matrix),
@@ -73,6 +78,12 @@ PROJECTOR_TABLE: list[tuple[str, str, Transform]] = [
 # vision_tower.vision_model.*; transformers 5.x: vision_tower.*, model.language_model.*).
 # Each is rewritten to one canonical prefix before the tables apply.
 _PREFIXES = [
+    # Original LLaVA layout (liuhaotian LLaVA-1.5, InternVL-Chat-ViT-6B, MobileVLM): the tower wrapper's
+    # own `vision_tower` attribute; `mm_projector.{0,2}` is the llava-hf projector under other names.
+    (r"^model\.vision_tower\.vision_tower\.(vision_model\.)?", "vision."),
+    (r"^model\.mm_projector\.0\.", "projector.linear_1."),
+    (r"^model\.mm_projector\.2\.", "projector.linear_2."),
+    (r"^model\.mm_projector\.", "projector."),
     (r"^(model\.)?language_model\.model\.", "model."),
     (r"^model\.language_model\.", "model."),
     (r"^(model\.)?language_model\.lm_head\.", "lm_head."),
@@ -95,7 +106,9 @@ def llama_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
             "layers.attn_norm": (n, h), "layers.mlp_norm": (n, h),
             "layers.wq": (n, h, cfg.num_heads * d), "layers.wk": (n, h, cfg.num_kv_heads * d),
             "layers.wv": (n, h, cfg.num_kv_heads * d), "layers.wo": (n, cfg.num_heads * d, h),
-            "layers.w_gate": (n, h, i), "layers.w_up": (n, h, i), "layers.w_down": (n, i, h)}
+            "layers.w_gate": (n, h, i), "layers.w_up": (n, h, i), "layers.w_down": (n, i, h),
+            **({"layers.bq": (n, cfg.num_heads * d), "layers.bk": (n, cfg.num_kv_heads * d),
+                "layers.bv": (n, cfg.num_kv_heads * d)} if cfg.qkv_bias else {})}
 
 
 def clip_shapes(cfg: CLIPVisionConfig) -> dict[str, tuple[int, ...]]:

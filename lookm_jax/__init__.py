@@ -4,6 +4,7 @@ from lookm_jax.cache import KVCache
 from lookm_jax.generate import DEFAULT_BUCKETS, PromptTooLongError
 from lookm_jax.loading import load, load_default
 from lookm_jax.model import GenerationResult, Model
+from lookm_jax.sharding import make_mesh, shard_params
 
 
 # compression core

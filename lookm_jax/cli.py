@@ -16,11 +16,23 @@ DEFAULT_IMAGES = [os.path.join(ASSETS, "landscape.png"), os.path.join(ASSETS, "a
 # `add_parser(subparsers)`, adding its command with `set_defaults(func=...)`; modules keep heavy
 # imports (jax, matplotlib) inside their command functions so `lookm --help` stays fast.
 GROUP_HELP = {"eval": "evaluate methods on a benchmark", "plot": "draw figures"}
-COMMAND_MODULES: dict[str, tuple[str, ...]] = {"eval": (), "plot": ()}
+COMMAND_MODULES: dict[str, tuple[str, ...]] = {
+    "eval": ("lookm_jax.eval.milebench", "lookm_jax.eval.needle"),
+    "plot": ("lookm_jax.plots",),
+}
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
+
+
+def add_method_arguments(parser: argparse.ArgumentParser) -> None:
+    """--method/--budget/--alpha-recent/--alpha-important/--merge, read back by `_method_from_args`."""
+    parser.add_argument("--method", default="full", help="KV-cache method (see lookm_jax.METHODS)")
+    parser.add_argument("--budget", type=float, help="kept fraction of the prompt, split evenly recent/important")
+    parser.add_argument("--alpha-recent", type=float)
+    parser.add_argument("--alpha-important", type=float)
+    parser.add_argument("--merge", choices=("none", "averaged", "pivotal", "weighted"))
 
 
 def _method_from_args(args):
@@ -42,10 +54,8 @@ def _method_from_args(args):
 
 def cmd_generate(args) -> int:
     import jax.numpy as jnp
-    from PIL import Image
 
     import lookm_jax
-    from lookm_jax.models.image_processing import CLIPImageProcessorConfig, preprocess_images
 
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     model = lookm_jax.load(args.model, dtype) if args.model else lookm_jax.load_default(dtype)
@@ -55,11 +65,8 @@ def cmd_generate(args) -> int:
     images = args.image if args.image is not None else (DEFAULT_IMAGES if model.is_multimodal and not args.model else [])
     if args.text_only:
         images = []
-    pixel_values = None
-    if images:
-        processor = CLIPImageProcessorConfig.from_hf_dict(model.manifest.get("image_processor") or {})
-        pixel_values = preprocess_images([Image.open(p) for p in images], processor)
-    input_ids = model.encode_chat(args.prompt, num_images=len(images))
+    pixel_values, tiles = model.preprocess_images(images) if images else (None, None)
+    input_ids = model.encode_chat(args.prompt, num_images=len(images), image_tiles=tiles)
     result = model.run(input_ids, pixel_values, max_new_tokens=args.max_new_tokens, method=_method_from_args(args),
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     answer = model.decode_text(result.tokens[0][: int(result.lengths[0])])
@@ -91,11 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    g.add_argument("--method", default="full", help="KV-cache method (see lookm_jax.METHODS)")
-    g.add_argument("--budget", type=float, help="kept fraction of the prompt, split evenly recent/important")
-    g.add_argument("--alpha-recent", type=float)
-    g.add_argument("--alpha-important", type=float)
-    g.add_argument("--merge", choices=("none", "averaged", "pivotal", "weighted"))
+    add_method_arguments(g)
     g.set_defaults(func=cmd_generate)
     for group, help_text in GROUP_HELP.items():
         commands = sub.add_parser(group, help=help_text).add_subparsers(dest=f"{group}_command", required=True)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ import numpy as np
 from lookm_jax.cache import KVCache
 from lookm_jax.models import llama, llava
 from lookm_jax.models.config import LlamaConfig, LlavaConfig
+from lookm_jax.sharding import constrain_cache
 
 # Static prompt lengths: powers of two and the midpoints between them, so padding wastes < 1/3.
 DEFAULT_BUCKETS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
@@ -79,6 +82,7 @@ def prefill(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax.Array, 
     h_last, cache = llama.prefill(text_cfg, params["text"], x, valid, is_image, method,
                                   kept_slots=method.capacity(input_ids.shape[1]),
                                   max_new_tokens=max_new_tokens)
+    cache = constrain_cache(cache)  # rows over "data", KV heads over "model" when traced under a mesh
     first = sample(llama.lm_logits(params["text"], h_last), jax.random.fold_in(key, 0), sampling)
     return first, cache, is_image
 
@@ -139,3 +143,115 @@ def pack_prompts(input_ids, attention_mask=None, buckets: tuple[int, ...] = DEFA
     valid = np.arange(bucket)[None] < lengths[:, None]
     packed[valid] = ids[mask]
     return packed, valid
+
+
+# ---- prefill once, compress with several methods ---------------------------------------------------
+# The prompt's hidden states do not depend on the cache method (compression happens after the prompt
+# is encoded), so one prefill can feed every method: `prefill_states` keeps each layer's uncompressed
+# K/V plus what methods rank by, and `compress_prefilled` builds one method's decode cache from it.
+
+
+@flax.struct.dataclass
+class Prefilled:
+    """One prefill's per-layer prompt K/V and the inputs methods rank by (N layers, W query window)."""
+    first: jax.Array  # [B] int32, the first generated token (the same for every method)
+    keys: jax.Array  # [N, B, Hkv, L, D], RoPE'd at the original positions
+    values: jax.Array  # [N, B, Hkv, L, D]
+    stats: dict  # {name: [N, B, Hkv, G, L] fp32}, the attention column statistics asked for
+    window_queries: jax.Array  # [N, B, Hq, W, D], the queries of each row's last W valid tokens
+    window_positions: jax.Array  # [B, W] int32, their positions (latest first; clamped to 0 past the start)
+    valid: jax.Array  # [B, L] bool
+    is_image: jax.Array  # [B, L] bool
+
+
+def query_window(method, bucket_len: int) -> int:
+    """How many of a row's last valid queries `method` reads besides the attention statistics."""
+    from lookm_jax.methods import AttentionMethod, Full, SnapKV, StreamingLLM
+
+    if isinstance(method, SnapKV):
+        return method.window if method.window is not None else max(1, math.floor(method.alpha_recent * bucket_len))
+    if isinstance(method, (AttentionMethod, Full, StreamingLLM)):
+        return 0
+    raise ValueError(f"{type(method).__name__} is not known to compress from a shared prefill "
+                     "(it may read any query); run it with Model.run")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "statistics", "window", "sampling"))
+def prefill_states(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax.Array, valid: jax.Array,
+                   pixel_values: jax.Array | None, key: jax.Array, *, statistics: tuple[str, ...], window: int,
+                   sampling: Sampling) -> Prefilled:
+    """Encode a right-padded prompt once and keep its uncompressed per-layer K/V.
+
+    input_ids/valid [B, L_bucket], pixel_values [n_images, C, H, W] or None. Static: cfg, statistics
+    (names from `lookm_jax.scoring.STATISTICS`, accumulated by the prefill attention as in `prefill`),
+    window (W, the last queries kept per row; `query_window` says what a method needs), sampling.
+    """
+    text_cfg = llava.text_config(cfg)
+    text_params = params["text"]
+    x, is_image = llava.embed(cfg, params, input_ids, pixel_values)
+    b, length, _ = x.shape
+    cos, sin = llama.rope_tables(text_cfg, jnp.broadcast_to(jnp.arange(length), (b, length)), x.dtype)
+    w = min(window, length)
+    window_positions = jnp.maximum(jax.lax.top_k(jnp.where(valid, jnp.arange(length), -1), w)[0], 0)  # [B, W]
+
+    def layer(h, lp):
+        q, k, v = llama.project_qkv(text_cfg, lp, h, cos, sin)
+        attn, stats = llama.causal_attention(q, k, v, valid, statistics=statistics)
+        q_window = jnp.take_along_axis(q, window_positions[:, None, :, None], axis=2)  # [B, Hq, W, D]
+        return llama.finish_layer(text_cfg, lp, h, attn), (k, v, stats, q_window)
+
+    h, (keys, values, stats, window_queries) = jax.lax.scan(layer, x, text_params["layers"])
+    lengths = valid.sum(axis=1).astype(jnp.int32)
+    last = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+    logits = llama.lm_logits(text_params, llama.final_hidden(text_cfg, text_params, last))
+    first = sample(logits, jax.random.fold_in(key, 0), sampling)
+    return Prefilled(first=first, keys=keys, values=values, stats=stats, window_queries=window_queries,
+                     window_positions=window_positions, valid=valid, is_image=is_image)
+
+
+@functools.partial(jax.jit, static_argnames=("method", "max_new_tokens"))
+def compress_prefilled(prefilled: Prefilled, *, method, max_new_tokens: int) -> KVCache:
+    """`method`'s decode cache from a shared prefill: the cache `prefill(..., method=method)` builds.
+
+    Static: method, max_new_tokens. The method sees the layer's keys, values and statistics, and
+    queries that are exact at the kept window positions and zero elsewhere (`query_window` checks
+    that the window covers what it reads). Capacity method.capacity(L) + max_new_tokens.
+    """
+    n_layers, b, _, length, head_dim = prefilled.keys.shape
+    if query_window(method, length) > prefilled.window_queries.shape[3]:
+        raise ValueError(f"{method} reads the last {query_window(method, length)} queries; the prefill kept "
+                         f"{prefilled.window_queries.shape[3]} (raise prefill_states' window)")
+    missing = set(method.statistics) - set(prefilled.stats)
+    if missing:
+        raise ValueError(f"{type(method).__name__} needs attention statistics {sorted(missing)}; the prefill "
+                         f"accumulated {sorted(prefilled.stats)}")
+    kept_slots = method.capacity(length)
+    num_heads = prefilled.window_queries.shape[2]
+    rows = jnp.arange(b)[:, None]  # [B, 1]
+
+    def layer(_, inputs):
+        k, v, stats, q_window = inputs
+        queries = jnp.zeros((b, length, num_heads, head_dim), q_window.dtype)  # [B, L, Hq, D]
+        queries = queries.at[rows, prefilled.window_positions].set(q_window.transpose(0, 2, 1, 3))
+        kept = method(queries.transpose(0, 2, 1, 3), k, v, prefilled.is_image, prefilled.valid,
+                      stats={name: stats[name] for name in method.statistics})
+        return None, (kept.keys.astype(k.dtype), kept.values.astype(v.dtype), kept.positions)
+
+    layer_inputs = (prefilled.keys, prefilled.values, prefilled.stats, prefilled.window_queries)
+    _, (keys, values, positions) = jax.lax.scan(layer, None, layer_inputs)
+    new_slots = ((0, 0),) * 3 + ((0, max_new_tokens),)
+    return KVCache(keys=jnp.pad(keys, new_slots + ((0, 0),)), values=jnp.pad(values, new_slots + ((0, 0),)),
+                   positions=jnp.pad(positions, new_slots, constant_values=-1),
+                   cursor=jnp.asarray(kept_slots, jnp.int32),
+                   next_position=prefilled.valid.sum(axis=1).astype(jnp.int32))
+
+
+def concat_caches(caches: list[KVCache]) -> KVCache:
+    """Stack caches of equal capacity and cursor along the batch axis, so one decode serves them all."""
+    if len({c.capacity for c in caches}) != 1 or len({int(c.cursor) for c in caches}) != 1:
+        raise ValueError(f"caches need equal capacity and cursor to share a decode, got capacities "
+                         f"{[c.capacity for c in caches]} and cursors {[int(c.cursor) for c in caches]}")
+    stacked = {name: jnp.concatenate([getattr(c, name) for c in caches], axis=1)
+               for name in ("keys", "values", "positions")}
+    return KVCache(**stacked, cursor=caches[0].cursor,
+                   next_position=jnp.concatenate([c.next_position for c in caches]))

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lookm_jax.convert import store
+from lookm_jax.convert import original_llava, store
 from lookm_jax.convert.hf import load_hf_folder, parse_config, params_from_hf
 from lookm_jax.model import Model
 
@@ -56,7 +56,7 @@ def _from_manifest(manifest: dict, params: dict, tokenizer, dtype) -> Model:
 
 
 def _load_hf(folder: str, dtype) -> Model:
-    hf_config, _, params = load_hf_folder(folder)
+    hf_config, config, params = load_hf_folder(folder)
     manifest = {"hf_config": hf_config, "source": os.path.abspath(folder)}
     tokenizer = None
     if os.path.exists(os.path.join(folder, "tokenizer.json")):
@@ -73,6 +73,9 @@ def _load_hf(folder: str, dtype) -> Model:
     template = os.path.join(folder, "chat_template.jinja")
     if os.path.exists(template):
         manifest["chat_template"] = open(template).read()
+    processor = original_llava.image_processor(config, hf_config, manifest.get("image_processor"))
+    if processor is not None:  # original LLaVA layouts: the tower's processor and their pad-to-square
+        manifest["image_processor"] = processor
     return _from_manifest(manifest, params, tokenizer, dtype)
 
 

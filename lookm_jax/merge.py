@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from lookm_jax.select import per_head
+
 MERGES = ("averaged", "pivotal", "weighted")
 
 
@@ -64,11 +66,9 @@ def similarity_filter(evicted: jax.Array, cos: jax.Array) -> jax.Array:
     (position order) gets m_t = mean over heads of its best cosine. Evicted tokens whose m_t is
     below the row mean of m_t (over t < E) are dropped instead of merged.
     """
-    b, h, l = evicted.shape
+    l = evicted.shape[-1]
     rank = jnp.where(evicted, jnp.cumsum(evicted, -1) - 1, l)  # [B, H, L]; l = not evicted
-    bi = jnp.arange(b)[:, None, None]
-    hi = jnp.arange(h)[None, :, None]
-    by_rank = jnp.zeros((b, h, l), jnp.float32).at[bi, hi, rank].set(cos, mode="drop")
+    by_rank = per_head(lambda r, c: jnp.zeros(l, jnp.float32).at[r].set(c, mode="drop"))(rank, cos)
     m = by_rank.mean(1)  # [B, L] m_t
     n_evicted = evicted[:, 0].sum(-1)  # [B] = E
     live = jnp.arange(l)[None, :] < n_evicted[:, None]
@@ -105,7 +105,7 @@ def merge_evicted(
     """
     if mode not in MERGES:
         raise ValueError(f"merge must be one of {MERGES}, got {mode!r}")
-    b, h, s, _ = kept_keys.shape
+    s = kept_keys.shape[2]
     target, cos = assign(keys, kept_keys, slot_mask, block=block)
     merging = evicted & slot_mask.any(-1, keepdims=True)
     if use_similarity_filter:
@@ -114,13 +114,15 @@ def merge_evicted(
     weight = {"averaged": 1.0, "pivotal": 0.5, "weighted": cos}[mode]
     weight = jnp.where(merging, weight, 0.0)[..., None]  # [B, H, L, 1]
 
-    bi = jnp.arange(b)[:, None, None]
-    hi = jnp.arange(h)[None, :, None]
-    n = jnp.zeros((b, h, s), jnp.float32).at[bi, hi, target].add(1.0, mode="drop")[..., None]
+    def to_slots(updates):  # [B, H, L, ...] fp32 -> [B, H, S, ...]: summed into each token's target slot
+        return per_head(lambda t, u: jnp.zeros((s, *u.shape[1:]), jnp.float32).at[t].add(u, mode="drop"))(
+            target, updates)
+
+    n = to_slots(jnp.ones(target.shape, jnp.float32))[..., None]
     self_weight = 1.0 + 0.5 * n if mode == "pivotal" else 1.0  # [B, H, S, 1] or scalar
 
     def fold(full, kept):
-        acc = jnp.zeros(kept.shape, jnp.float32).at[bi, hi, target].add(weight * full.astype(jnp.float32), mode="drop")
+        acc = to_slots(weight * full.astype(jnp.float32))
         return ((self_weight * kept.astype(jnp.float32) + acc) / (1.0 + n)).astype(kept.dtype)
 
     return fold(keys, kept_keys), fold(values, kept_values)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from typing import Any, Sequence
 
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lookm_jax import generate as gen
+from lookm_jax import generate as gen, sharding
 from lookm_jax.models import llama, llava
 from lookm_jax.models.config import LlamaConfig, LlavaConfig
 
@@ -70,6 +71,7 @@ class Model:
     manifest: dict[str, Any]  # hf_config, chat_template, image_processor, notes (what `save` writes)
     tokenizer: Any = None  # tokenizers.Tokenizer
     buckets: tuple[int, ...] = gen.DEFAULT_BUCKETS
+    mesh: jax.sharding.Mesh | None = None  # set by `shard`
     _compiled: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -92,6 +94,17 @@ class Model:
         """The same model with every parameter cast (e.g. jnp.bfloat16)."""
         params = jax.tree.map(lambda a: a.astype(dtype), self.params)
         return dataclasses.replace(self, params=params, _compiled={})
+
+    def shard(self, mesh: jax.sharding.Mesh) -> "Model":
+        """The same model laid out on a (data, model) mesh (`lookm_jax.sharding.make_mesh`): params
+        tensor-parallel over "model", and every call shards its rows over "data" (the batch must
+        divide evenly) and the KV cache's heads over "model"."""
+        sharding.check_mesh(mesh, self.text_config.num_kv_heads)
+        return dataclasses.replace(self, params=sharding.shard_params(self.params, mesh), mesh=mesh, _compiled={})
+
+    def _rows(self, *arrays: np.ndarray) -> list[jax.Array]:
+        """[B, ...] host arrays on the device, or split over the mesh's "data" axis."""
+        return [jnp.asarray(a) for a in arrays] if self.mesh is None else sharding.place_rows(self.mesh, *arrays)
 
     # ---- input checks -------------------------------------------------------------------------
     def _pixel_values(self, packed_ids: np.ndarray, valid: np.ndarray, pixel_values) -> jax.Array | None:
@@ -122,8 +135,7 @@ class Model:
         bucket = gen.bucket_length(length, self.buckets)
         pad = ((0, 0), (0, bucket - length))
         pixels = self._pixel_values(ids, valid, pixel_values)
-        out = forward_logits(self.config, self.params, jnp.asarray(np.pad(ids, pad)),
-                             jnp.asarray(np.pad(valid, pad)), pixels)
+        out = forward_logits(self.config, self.params, *self._rows(np.pad(ids, pad), np.pad(valid, pad)), pixels)
         return np.asarray(out[:, :length])
 
     def generate(self, input_ids, pixel_values=None, attention_mask=None, max_new_tokens: int = 32,
@@ -144,14 +156,15 @@ class Model:
         ids, valid = gen.pack_prompts(input_ids, attention_mask, self.buckets)
         pixels = self._pixel_values(ids, valid, pixel_values)
         key = jax.random.key(seed)
-        args = (self.config, self.params, jnp.asarray(ids), jnp.asarray(valid), pixels, key)
+        args = (self.config, self.params, *self._rows(ids, valid), pixels, key)
         signature = (ids.shape, None if pixels is None else pixels.shape, method, max_new_tokens, sampling)
         compile_seconds = 0.0
         if signature not in self._compiled:
             start = time.perf_counter()
-            lowered = gen.prefill.lower(*args, method=method, max_new_tokens=max_new_tokens, sampling=sampling)
-            first, cache, _ = lowered.out_info  # ShapeDtypeStructs
-            prefill = lowered.compile()
+            with jax.set_mesh(self.mesh):  # None: no mesh
+                prefill = gen.prefill.lower(*args, method=method, max_new_tokens=max_new_tokens,
+                                            sampling=sampling).compile()
+            first, cache, _ = prefill.out_info  # ShapeDtypeStructs with the compiled shardings
             decode = gen.decode.lower(self.text_config, self.params["text"], first, cache, key,
                                       max_new_tokens=max_new_tokens, sampling=sampling,
                                       eos_ids=self.text_config.eos_token_ids).compile()
@@ -177,12 +190,81 @@ class Model:
             full_cache_bytes=full_bytes, compile_seconds=compile_seconds, prefill_seconds=prefill_seconds,
             decode_seconds=decode_seconds)
 
+    def generate_methods(self, input_ids, pixel_values=None, attention_mask=None, max_new_tokens: int = 32, *,
+                         methods: Sequence, max_decode_rows: int = 16) -> list[np.ndarray]:
+        """Greedy new tokens [B, max_new_tokens] for each of `methods`, from ONE prefill.
+
+        The same tokens as `generate(..., method=m)` for each m (the prompt's hidden states do not
+        depend on the method), at the cost of one prefill: `generate.prefill_states` keeps the
+        uncompressed per-layer K/V and statistics, `generate.compress_prefilled` builds each
+        method's cache, and methods of equal capacity decode together, up to `max_decode_rows`
+        rows per `generate.decode` call (at least one method's B rows).
+        """
+        from lookm_jax.scoring import STATISTICS
+
+        if max_new_tokens < 1 or not methods:
+            raise ValueError(f"need max_new_tokens >= 1 and at least one method, got {max_new_tokens}, {methods}")
+        if self.mesh is not None:
+            raise ValueError("generate_methods runs on one device; call it on the unsharded model")
+        ids, valid = gen.pack_prompts(input_ids, attention_mask, self.buckets)
+        pixels = self._pixel_values(ids, valid, pixel_values)
+        batch, bucket = ids.shape
+        key = jax.random.key(0)
+        sampling = gen.Sampling()
+        prefilled = gen.prefill_states(
+            self.config, self.params, jnp.asarray(ids), jnp.asarray(valid), pixels, key,
+            statistics=tuple(s for s in STATISTICS if any(s in m.statistics for m in methods)),
+            window=max(1, *(gen.query_window(m, bucket) for m in methods)), sampling=sampling)
+        by_capacity: dict[int, list[int]] = {}
+        for i, m in enumerate(methods):
+            by_capacity.setdefault(m.capacity(bucket), []).append(i)
+        per_call = max(1, max_decode_rows // batch)
+        out: list[np.ndarray | None] = [None] * len(methods)
+        for indices in by_capacity.values():
+            for start in range(0, len(indices), per_call):
+                chunk = indices[start:start + per_call]
+                caches = [gen.compress_prefilled(prefilled, method=methods[i], max_new_tokens=max_new_tokens)
+                          for i in chunk]
+                first = jnp.tile(prefilled.first, len(chunk))
+                tokens, _, _ = gen.decode(self.text_config, self.params["text"], first, gen.concat_caches(caches),
+                                          key, max_new_tokens=max_new_tokens, sampling=sampling,
+                                          eos_ids=self.text_config.eos_token_ids)
+                for i, rows in zip(chunk, np.split(np.asarray(tokens), len(chunk))):
+                    out[i] = rows
+        return out
+
+    # ---- inputs -------------------------------------------------------------------------------
+    def preprocess_images(self, images: Sequence) -> tuple[np.ndarray, list[int] | None]:
+        """Image files or PIL images -> (pixel_values [units, C, H, W], tiles per image or None).
+
+        Uses the checkpoint's own preprocessor settings: the CLIP processor (with LLaVA's
+        pad-to-square when configured) or, for tiling architectures (InternVL), dynamic tiles; pass the
+        tile counts to `encode_chat(..., image_tiles=...)`.
+        """
+        from PIL import Image
+
+        from lookm_jax.models.internvl import InternVLConfig
+
+        if not self.is_multimodal:
+            raise ValueError("images given, but this is a text-only model")
+        pictures = [Image.open(i) if isinstance(i, (str, os.PathLike)) else i for i in images]
+        settings = self.manifest.get("image_processor") or {}
+        if isinstance(self.config, InternVLConfig):
+            from lookm_jax.models.internvl_processing import InternVLImageProcessorConfig, preprocess_tiles
+
+            return preprocess_tiles(pictures, InternVLImageProcessorConfig.from_hf_dict(settings))
+        from lookm_jax.models.image_processing import CLIPImageProcessorConfig, preprocess_images
+
+        return preprocess_images(pictures, CLIPImageProcessorConfig.from_hf_dict(settings)), None
+
     # ---- text ---------------------------------------------------------------------------------
-    def encode_chat(self, prompt: str, num_images: int = 0) -> np.ndarray:
+    def encode_chat(self, prompt: str, num_images: int = 0, image_tiles: Sequence[int] | None = None) -> np.ndarray:
         """A user turn rendered with the model's chat template -> ids [1, L].
 
         `num_images` images go before the text; "<image>" markers inside `prompt` place further
         images inline (MileBench-style interleaving). Every image expands to its placeholder tokens.
+        Tiling architectures (InternVL) need `image_tiles`: each image's tile count, in order, from
+        its preprocessing (`models.internvl_processing.preprocess_tiles`).
         """
         from lookm_jax.convert.tokenizer import apply_chat_template
 
@@ -193,6 +275,18 @@ class Model:
         content = "<image>\n" * num_images + prompt
         template = self.manifest.get("chat_template")
         text = apply_chat_template(template, [{"role": "user", "content": content}]) if template else content
+        if hasattr(self.config, "expand_image_markers"):  # tiling: <img> + tiles * T placeholders + </img>
+            text = self.config.expand_image_markers(text, self.tokenizer.id_to_token(self.config.image_token_id),
+                                                    image_tiles or ())
+            return np.asarray([self.tokenizer.encode(text, add_special_tokens=False).ids], np.int32)
+        if image_tiles is not None:
+            raise ValueError("image_tiles is only for tiling architectures (InternVL)")
+        if self.is_multimodal and self.config.image_token_id < 0:
+            # Original LLaVA layout (id -200): no "<image>" token; each piece between markers is encoded
+            # on its own and the placeholders go between them, as LLaVA's tokenizer_image_token does.
+            pieces = [self.tokenizer.encode(piece, add_special_tokens=False).ids for piece in text.split("<image>")]
+            placeholders = [self.config.image_token_id] * self.config.image_seq_length
+            return np.asarray([pieces[0] + [t for piece in pieces[1:] for t in placeholders + piece]], np.int32)
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if self.is_multimodal:
             image_id = self.config.image_token_id

@@ -30,6 +30,13 @@ class Selection(NamedTuple):
     kept: jax.Array  # [B, H, L] bool, True for a kept token
 
 
+def per_head(fn):
+    """``fn`` of one (row, head) mapped over leading [B, H] axes. Scatters written this way see B and
+    H as batch dimensions, so on a mesh each device scatters its own rows and heads; indexed with
+    explicit [B, H] iotas instead, XLA gathers the indices and all-reduces a full-size result."""
+    return jax.vmap(jax.vmap(fn))
+
+
 def count_from_end(valid: jax.Array) -> jax.Array:
     """[B, L] int: number of valid tokens at positions >= j (1 for the last valid token)."""
     return jnp.flip(jnp.cumsum(jnp.flip(valid, -1), -1), -1)
@@ -89,7 +96,5 @@ def select_slots(
     slot = jnp.arange(capacity)
     chosen = jnp.sort(jnp.where(slot < count[:, None, None], top, l), axis=-1)  # [B, H, S], l = empty
     mask = chosen < l
-    bi = jnp.arange(b)[:, None, None]
-    hi = jnp.arange(h)[None, :, None]
-    kept = jnp.zeros((b, h, l), bool).at[bi, hi, chosen].set(True, mode="drop")
+    kept = per_head(lambda c: jnp.zeros(l, bool).at[c].set(True, mode="drop"))(chosen)  # [B, H, L]
     return Selection(jnp.where(mask, chosen, 0), mask, kept)

@@ -50,11 +50,15 @@ def hidden_states(cfg: CLIPVisionConfig, params: dict, pixel_values: jax.Array, 
     cls = jnp.broadcast_to(params["class_embed"], (x.shape[0], 1, x.shape[-1]))
     x = jnp.concatenate([cls, x], axis=1) + params["pos_embed"]
     x = layer_norm(x, params["pre_norm_w"], params["pre_norm_b"], cfg.layer_norm_eps)
-    layers = jax.tree.map(lambda a: a[:depth], params["layers"])
+    return stack_hidden_states(lambda h, lp: _encoder_layer(cfg, lp, h), params["layers"], x, depth)
 
+
+def stack_hidden_states(encoder_layer, layers: dict, x: jax.Array, depth: int) -> jax.Array:
+    """Run the first `depth` (static) stacked `layers` on x [N, T, Hv] with `encoder_layer(h, lp)`;
+    -> [depth + 1, N, T, Hv], entry 0 being x itself (HF's `hidden_states` tuple, stacked)."""
     def layer(h, lp):
-        h = _encoder_layer(cfg, lp, h)
+        h = encoder_layer(h, lp)
         return h, h
 
-    _, outs = jax.lax.scan(layer, x, layers)
+    _, outs = jax.lax.scan(layer, x, jax.tree.map(lambda a: a[:depth], layers))
     return jnp.concatenate([x[None], outs], axis=0)

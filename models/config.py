@@ -64,6 +64,10 @@ class RopeConfig:
                    original_max_position_embeddings=int(params["original_max_position_embeddings"]))
 
 
+# HF Qwen2Config defaults where they differ from LlamaConfig's (hub configs may omit default fields).
+_QWEN2_DEFAULTS = {"vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768}
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
@@ -76,6 +80,7 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-6
     rope: RopeConfig = RopeConfig()
     tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # q/k/v projections carry biases (Qwen2); o_proj never does
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     max_position_embeddings: int = 2048
@@ -92,11 +97,17 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, d: dict[str, Any], where: str = "text_config") -> "LlamaConfig":
-        _require(d.get("model_type", "llama") == "llama", where, "model_type", d.get("model_type"), "'llama'")
+        model_type = d.get("model_type", "llama")
+        _require(model_type in ("llama", "qwen2"), where, "model_type", model_type, "'llama', 'qwen2'")
         handled = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                    "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
                    "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings",
                    "hidden_act", "attention_bias", "mlp_bias", "pretraining_tp"}
+        if model_type == "qwen2":  # Llama with q/k/v biases; sliding-window attention is not implemented
+            d = {**_QWEN2_DEFAULTS, **d}
+            handled |= {"use_sliding_window", "sliding_window", "max_window_layers"}
+            _require(not d.get("use_sliding_window", False), where, "use_sliding_window",
+                     d.get("use_sliding_window"), "false")
         _check_fields(d, handled, where)
         _require(d.get("hidden_act", "silu") == "silu", where, "hidden_act", d.get("hidden_act"), "'silu'")
         for flag in ("attention_bias", "mlp_bias"):
@@ -120,6 +131,7 @@ class LlamaConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope=RopeConfig.from_hf(rope, where),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2",
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),

@@ -15,6 +15,8 @@ from PIL import Image
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 _PROCESSOR_TYPES = {"CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPImageProcessorPil", "CLIPFeatureExtractor"}
 # Keys newer transformers versions save with values that change nothing here.
@@ -28,6 +30,20 @@ _NEUTRAL = {
     "device": (None,),
     "disable_grouping": (None,),
 }
+
+
+def check_pixel_settings(config) -> None:
+    """Validate the fields every image processor config shares: resample, rescale_factor, image_mean/std."""
+    if not isinstance(config.rescale_factor, (int, float)) or config.rescale_factor <= 0:
+        raise ValueError(f"rescale_factor must be a positive number, got {config.rescale_factor!r}")
+    if config.resample not in {int(r) for r in Image.Resampling}:
+        raise ValueError(f"resample={config.resample!r} is not a PIL resampling filter")
+    for name in ("image_mean", "image_std"):
+        value = getattr(config, name)
+        if len(value) != 3 or not all(isinstance(v, (int, float)) for v in value):
+            raise ValueError(f"{name} must be 3 numbers (R, G, B), got {value!r}")
+    if 0 in config.image_std:
+        raise ValueError(f"image_std must be non-zero, got {config.image_std!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +62,12 @@ class CLIPImageProcessorConfig:
     do_normalize: bool = True
     image_mean: tuple[float, float, float] = CLIP_MEAN
     image_std: tuple[float, float, float] = CLIP_STD
+    # Original LLaVA-family configs' key: 'pad' first pads each image to a square (`expand2square`).
+    image_aspect_ratio: str | None = None
 
     def __post_init__(self):
+        if self.image_aspect_ratio not in (None, "pad", "square"):
+            raise ValueError(f"image_aspect_ratio={self.image_aspect_ratio!r} is not supported (None, 'pad', 'square')")
         for name in ("do_convert_rgb", "do_resize", "do_center_crop", "do_rescale", "do_normalize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -57,16 +77,7 @@ class CLIPImageProcessorConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(self.rescale_factor, (int, float)) or self.rescale_factor <= 0:
-            raise ValueError(f"rescale_factor must be a positive number, got {self.rescale_factor!r}")
-        if self.resample not in {int(r) for r in Image.Resampling}:
-            raise ValueError(f"resample={self.resample!r} is not a PIL resampling filter")
-        for name in ("image_mean", "image_std"):
-            value = getattr(self, name)
-            if len(value) != 3 or not all(isinstance(v, (int, float)) for v in value):
-                raise ValueError(f"{name} must be 3 numbers (R, G, B), got {value!r}")
-        if 0 in self.image_std:
-            raise ValueError(f"image_std must be non-zero, got {self.image_std!r}")
+        check_pixel_settings(self)
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> CLIPImageProcessorConfig:
@@ -85,7 +96,7 @@ class CLIPImageProcessorConfig:
         if "crop_size" in d:
             kwargs["crop_height"], kwargs["crop_width"] = _crop_size(d.pop("crop_size"))
         for field in ("do_convert_rgb", "do_resize", "resample", "do_center_crop", "do_rescale", "rescale_factor",
-                      "do_normalize", "image_mean", "image_std"):  # fmt: skip
+                      "do_normalize", "image_mean", "image_std", "image_aspect_ratio"):  # fmt: skip
             if field in d:
                 value = d.pop(field)
                 kwargs[field] = tuple(value) if field in ("image_mean", "image_std") else value
@@ -129,6 +140,18 @@ def _to_rgb(image: Image.Image | np.ndarray) -> Image.Image:
     return Image.fromarray(np.ascontiguousarray(image), mode="RGB")
 
 
+def expand2square(image: Image.Image, fill: tuple[int, int, int]) -> Image.Image:
+    """Pad to a square of the longer side with colour `fill`, the image centred (an odd pixel of padding
+    goes below / right), as LLaVA's mm_utils.expand2square."""
+    width, height = image.size
+    if width == height:
+        return image
+    side = max(width, height)
+    out = Image.new(image.mode, (side, side), fill)
+    out.paste(image, ((side - width) // 2, (side - height) // 2))
+    return out
+
+
 def _resize(image: Image.Image, shortest_edge: int, resample: int) -> Image.Image:
     w, h = image.size
     short, long = min(w, h), max(w, h)
@@ -164,6 +187,8 @@ def preprocess_images(
     out = []
     for image in images:
         pil = _to_rgb(image)
+        if config.image_aspect_ratio == "pad":  # fill: the mean colour, as LLaVA's process_images
+            pil = expand2square(pil, tuple(int(m * 255) for m in config.image_mean))
         if config.do_resize:
             pil = _resize(pil, config.shortest_edge, config.resample)
         x = np.asarray(pil)  # [H, W, 3] uint8

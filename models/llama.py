@@ -1,9 +1,10 @@
-"""Llama-family decoder (Llama 2/3, Vicuna, SmolLM2) as pure functions of a params pytree.
+"""Llama-family decoder (Llama 2/3, Vicuna, SmolLM2, Qwen2) as pure functions of a params pytree.
 
 Params (layers stacked on a leading axis N so the decoder is one `lax.scan`; weights [in, out]):
     embed [V, H]; final_norm [H]; lm_head [H, V] (absent when tied to embed)
     layers: attn_norm [N, H], wq [N, H, Hq*D], wk/wv [N, H, Hkv*D], wo [N, Hq*D, H],
             mlp_norm [N, H], w_gate/w_up [N, H, I], w_down [N, I, H]
+            (+ bq [N, Hq*D], bk/bv [N, Hkv*D] when cfg.qkv_bias: Qwen2)
 
 Three entry points share the layer body: `forward` (whole sequence, no cache: logits API),
 `prefill` (whole padded prompt, writes a possibly compressed cache) and `decode_step` (one token).
@@ -126,20 +127,21 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
     return jnp.concatenate(outs, axis=2), stats
 
 
-def _project_qkv(cfg: LlamaConfig, lp: dict, h: jax.Array, cos: jax.Array, sin: jax.Array):
+def project_qkv(cfg: LlamaConfig, lp: dict, h: jax.Array, cos: jax.Array, sin: jax.Array):
     """h [B, L, H] -> RoPE'd q [B, Hq, L, D], k [B, Hkv, L, D], v [B, Hkv, L, D]."""
     b, length, _ = h.shape
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
 
-    def heads(w, n):
-        return linear(x, w).reshape(b, length, n, cfg.head_dim).transpose(0, 2, 1, 3)
+    def heads(name, n):  # biases "bq"/"bk"/"bv" only when cfg.qkv_bias (Qwen2)
+        bias = lp["b" + name[1]] if cfg.qkv_bias else None
+        return linear(x, lp[name], bias).reshape(b, length, n, cfg.head_dim).transpose(0, 2, 1, 3)
 
-    q = apply_rope(heads(lp["wq"], cfg.num_heads), cos, sin)
-    k = apply_rope(heads(lp["wk"], cfg.num_kv_heads), cos, sin)
-    return q, k, heads(lp["wv"], cfg.num_kv_heads)
+    q = apply_rope(heads("wq", cfg.num_heads), cos, sin)
+    k = apply_rope(heads("wk", cfg.num_kv_heads), cos, sin)
+    return q, k, heads("wv", cfg.num_kv_heads)
 
 
-def _finish_layer(cfg: LlamaConfig, lp: dict, h: jax.Array, attn: jax.Array) -> jax.Array:
+def finish_layer(cfg: LlamaConfig, lp: dict, h: jax.Array, attn: jax.Array) -> jax.Array:
     """Residual output projection, then the SwiGLU MLP block. attn [B, Hq, L, D] -> h [B, L, H]."""
     b, _, length, _ = attn.shape
     h = h + linear(attn.transpose(0, 2, 1, 3).reshape(b, length, -1), lp["wo"])
@@ -171,8 +173,8 @@ def forward(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array) -> j
     cos, sin = rope_tables(cfg, positions, x.dtype)
 
     def layer(h, lp):
-        q, k, v = _project_qkv(cfg, lp, h, cos, sin)
-        return _finish_layer(cfg, lp, h, causal_attention(q, k, v, valid)[0]), None
+        q, k, v = project_qkv(cfg, lp, h, cos, sin)
+        return finish_layer(cfg, lp, h, causal_attention(q, k, v, valid)[0]), None
 
     h, _ = jax.lax.scan(layer, x, params["layers"])
     return final_hidden(cfg, params, h)
@@ -198,14 +200,14 @@ def prefill(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array, is_i
     def layer(carry, inputs):
         h, cache = carry
         index, lp = inputs
-        q, k, v = _project_qkv(cfg, lp, h, cos, sin)
+        q, k, v = project_qkv(cfg, lp, h, cos, sin)
         attn, stats = causal_attention(q, k, v, valid, statistics=method.statistics)
         kept = method(q, k, v, is_image, valid, stats=stats)
         cache = cache.replace(
             keys=jax.lax.dynamic_update_slice(cache.keys, kept.keys[None].astype(x.dtype), (index, 0, 0, 0, 0)),
             values=jax.lax.dynamic_update_slice(cache.values, kept.values[None].astype(x.dtype), (index, 0, 0, 0, 0)),
             positions=jax.lax.dynamic_update_slice(cache.positions, kept.positions[None], (index, 0, 0, 0)))
-        return (_finish_layer(cfg, lp, h, attn), cache), None
+        return (finish_layer(cfg, lp, h, attn), cache), None
 
     layer_ids = jnp.arange(cfg.num_layers)
     (h, cache), _ = jax.lax.scan(layer, (x, cache), (layer_ids, params["layers"]))
@@ -225,7 +227,7 @@ def decode_step(cfg: LlamaConfig, params: dict, x: jax.Array, cache: KVCache) ->
     def layer(carry, inputs):
         h, cache = carry
         index, lp = inputs
-        q, k, v = _project_qkv(cfg, lp, h, cos, sin)  # q [B, Hq, 1, D], k/v [B, Hkv, 1, D]
+        q, k, v = project_qkv(cfg, lp, h, cos, sin)  # q [B, Hq, 1, D], k/v [B, Hkv, 1, D]
         cache = cache.replace(
             keys=jax.lax.dynamic_update_slice(cache.keys, k[None], (index, 0, 0, slot, 0)),
             values=jax.lax.dynamic_update_slice(cache.values, v[None], (index, 0, 0, slot, 0)),
@@ -235,7 +237,7 @@ def decode_step(cfg: LlamaConfig, params: dict, x: jax.Array, cache: KVCache) ->
         layer_v = jax.lax.dynamic_index_in_dim(cache.values, index, keepdims=False)
         layer_mask = jax.lax.dynamic_index_in_dim(cache.positions, index, keepdims=False) >= 0
         attn = attend(q, layer_k, layer_v, layer_mask[:, :, None, None, :])
-        return (_finish_layer(cfg, lp, h, attn), cache), None
+        return (finish_layer(cfg, lp, h, attn), cache), None
 
     layer_ids = jnp.arange(cfg.num_layers)
     (h, cache), _ = jax.lax.scan(layer, (x[:, None], cache), (layer_ids, params["layers"]))

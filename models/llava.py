@@ -16,7 +16,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from lookm_jax.models import clip, llama
+from lookm_jax.models import clip, internvit, internvl, llama, mobilevlm
 from lookm_jax.models.config import LlamaConfig, LlavaConfig
 from lookm_jax.models.layers import gelu_exact, linear
 
@@ -36,7 +36,12 @@ def llava_image_features(cfg: LlavaConfig, params: dict, pixel_values: jax.Array
 
 # config type -> features(cfg, params, pixel_values [n_units, C, H, W]) -> [n_units, image_seq_length, H_text].
 # Other architectures define theirs in models/<arch>.py (which must not import this module) and are listed here.
-IMAGE_FEATURES: dict[type, Callable[[Any, dict, jax.Array], jax.Array]] = {LlavaConfig: llava_image_features}
+IMAGE_FEATURES: dict[type, Callable[[Any, dict, jax.Array], jax.Array]] = {
+    LlavaConfig: llava_image_features,
+    internvit.InternViTLlavaConfig: internvit.image_features,
+    mobilevlm.MobileVLMConfig: mobilevlm.image_features,
+    internvl.InternVLConfig: internvl.internvl_image_features,
+}
 
 
 def image_features(cfg, params: dict, pixel_values: jax.Array) -> jax.Array:
@@ -64,10 +69,11 @@ def embed(cfg, params: dict, input_ids: jax.Array,
     The caller checks that the placeholder count equals n_images * image_seq_length. A text-only
     (llama) config gives an all-False `is_image`.
     """
-    x = llama.embed_tokens(params["text"], input_ids)
     if not is_multimodal(cfg):
-        return x, jnp.zeros(input_ids.shape, bool)
+        return llama.embed_tokens(params["text"], input_ids), jnp.zeros(input_ids.shape, bool)
     is_image = input_ids == cfg.image_token_id
+    # Placeholders never index the table (original-layout ids are -200, which would wrap around).
+    x = llama.embed_tokens(params["text"], jnp.where(is_image, 0, input_ids))
     if pixel_values is None:
         return x, is_image
     feats = image_features(cfg, params, pixel_values).astype(x.dtype)

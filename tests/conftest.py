@@ -50,3 +50,19 @@ def image_ids(n_tokens_per_image: int, segments: list) -> np.ndarray:
 @pytest.fixture(scope="session")
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_folder(tmp_path_factory) -> str:
+    """A tiny random LLaVA checkpoint folder (4 query / 2 KV heads), built once per session."""
+    folder = tmp_path_factory.mktemp("tiny_llava")
+    tiny_llava(folder, kv_heads=2)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llava_folder):
+    """That tiny LLaVA loaded by lookm_jax (a fresh Model, so compile counts start at 0, per module)."""
+    import lookm_jax
+
+    return lookm_jax.load(tiny_llava_folder)

@@ -19,7 +19,7 @@ from PIL import Image
 
 import lookm_jax
 import reference_lookm as ref
-from conftest import image_ids, tiny_llava
+from conftest import image_ids
 from lookm_jax import METHODS, generate as gen, get_method
 from lookm_jax.cli import DEFAULT_IMAGES
 from lookm_jax.methods import BudgetMethod
@@ -56,13 +56,6 @@ def _check_sizes(result, method, new_tokens):
 
 
 # ---- tiny LLaVA -----------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny_llava")
-    tiny_llava(folder, kv_heads=2)
-    return lookm_jax.load(str(folder))
-
 
 @pytest.fixture(scope="module")
 def tiny_prompt(tiny):

@@ -1,0 +1,158 @@
+"""Parameter counts and KV-cache bytes of the paper's architectures, from shapes alone (no weights).
+
+    python bench/sizes.py [--prompt 4096] [--new-tokens 64] [--budgets 0.2 0.05]
+
+Each real checkpoint's config.json (written out below from the published configs) is parsed by
+`lookm_jax.convert.hf.parse_config`, as `lookm_jax.load` would. Parameters: the shapes the
+converter checks a checkpoint against (convert/tables.py, convert/original_llava.py), counted.
+Cache: `jax.eval_shape` of the compiled prefill (`lookm_jax.generate.prefill`) on those parameter
+shapes, with one image in a prompt of --prompt tokens (its bucket) and --new-tokens to generate:
+the decode cache the real program allocates, K and V of (kept prompt slots + new tokens) per layer
+and KV head, in bf16 (the paper's fp16 has the same size). Full cache vs LOOK-M at each budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from lookm_jax import generate as gen, get_method
+from lookm_jax.convert import original_llava, tables
+from lookm_jax.convert.hf import parse_config
+from lookm_jax.models.config import LlavaConfig
+from lookm_jax.models.internvit import InternViTLlavaConfig
+from lookm_jax.models.mobilevlm import MobileVLMConfig
+
+CLIP_L_336 = "openai/clip-vit-large-patch14-336"
+CONFIGS = {
+    # llava-hf/llava-1.5-7b-hf: Vicuna-7B-v1.5 (fields left at HF's LlamaConfig defaults: hidden 4096,
+    # 32 layers, 32 heads, MLP 11008), vocab padded to 32064 for <image> and <pad>; CLIP ViT-L/14-336.
+    "LLaVA-v1.5-7B": {
+        "model_type": "llava", "image_token_index": 32000, "projector_hidden_act": "gelu",
+        "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064,
+        "tie_word_embeddings": False,
+        "text_config": {"model_type": "llama", "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                        "vocab_size": 32064},
+        "vision_config": {**original_llava.KNOWN_TOWERS[CLIP_L_336], "projection_dim": 768}},
+    # llava-hf/llava-1.5-13b-hf: Vicuna-13B-v1.5.
+    "LLaVA-v1.5-13B": {
+        "model_type": "llava", "image_token_index": 32000, "projector_hidden_act": "gelu",
+        "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064,
+        "tie_word_embeddings": False,
+        "text_config": {"model_type": "llama", "hidden_size": 5120, "intermediate_size": 13824,
+                        "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 40,
+                        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "vocab_size": 32064},
+        "vision_config": {**original_llava.KNOWN_TOWERS[CLIP_L_336], "projection_dim": 768}},
+    # mtgv/MobileVLM_V2-3B: MobileLLaMA-2.7B (head_dim 80) + CLIP ViT-L/14-336 + LDPv2 (144 tokens).
+    "MobileVLM-V2-3B": {
+        "model_type": "mobilevlm", "hidden_size": 2560, "intermediate_size": 6912, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 2048, "hidden_act": "silu", "tie_word_embeddings": False,
+        "mm_vision_tower": CLIP_L_336, "mm_hidden_size": 1024, "mm_projector_type": "ldpnetv2",
+        "mm_vision_select_layer": -2, "mm_vision_select_feature": "patch", "image_aspect_ratio": "pad"},
+    # OpenGVLab/InternVL-Chat-ViT-6B-Vicuna-7B, the paper's "InternVL-v1.5": original LLaVA layout,
+    # InternViT-6B-224px run at 336 px, features of hidden_states[-4], mlp2x_gelu projector, Vicuna-7B.
+    "InternVL-Chat-ViT-6B-Vicuna-7B": {
+        "model_type": "llava", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096, "hidden_act": "silu", "tie_word_embeddings": False,
+        "mm_vision_tower": "OpenGVLab/InternViT-6B-224px", "mm_hidden_size": 3200,
+        "mm_projector_type": "mlp2x_gelu", "mm_vision_select_layer": -4, "mm_vision_select_feature": "patch",
+        "image_aspect_ratio": "pad"},
+}
+GIB = 2**30
+
+
+def vision_shapes(cfg) -> dict[str, dict[str, tuple[int, ...]]]:
+    """{"vision": shapes, "projector": shapes} of a multimodal config, as the converter checks them."""
+    hidden = cfg.text.hidden_size
+    if isinstance(cfg, LlavaConfig):
+        return {"vision": tables.clip_shapes(cfg.vision), "projector": tables.projector_shapes(cfg)}
+    if isinstance(cfg, MobileVLMConfig):  # LDPv2: the MLP, then the depthwise 3x3 PEG (models/mobilevlm.py)
+        return {"vision": tables.clip_shapes(cfg.vision),
+                "projector": {**original_llava._mlp_shapes(cfg.vision.hidden_size, hidden),
+                              "peg_w": (3, 3, hidden), "peg_b": (hidden,)}}
+    if isinstance(cfg, InternViTLlavaConfig):
+        v = cfg.vision
+        absent = (() if v.qkv_bias else ("layers.bqkv",)) + (() if v.qk_normalization else
+                                                              ("layers.q_norm", "layers.k_norm"))
+        shapes = {k: s for k, s in original_llava.internvit_shapes(v).items() if k not in absent}
+        return {"vision": shapes, "projector": original_llava._mlp_shapes(v.hidden_size, hidden)}
+    raise TypeError(f"no parameter shapes for {type(cfg).__name__}")
+
+
+def param_shapes(cfg) -> dict[str, dict[str, tuple[int, ...]]]:
+    text = tables.llama_shapes(cfg.text)
+    if cfg.text.tie_word_embeddings:
+        text.pop("lm_head")
+    return {"text": text, **vision_shapes(cfg)}
+
+
+def abstract_params(shapes: dict[str, dict[str, tuple[int, ...]]], dtype) -> dict:
+    """Nested params of ShapeDtypeStructs ("layers.wq" -> {"layers": {"wq": ...}})."""
+    params: dict = {}
+    for part, flat in shapes.items():
+        for path, shape in flat.items():
+            node = params.setdefault(part, {})
+            *parents, leaf = path.split(".")
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[leaf] = jax.ShapeDtypeStruct(shape, dtype)
+    return params
+
+
+def decode_cache(cfg, params: dict, prompt: int, new_tokens: int, method, dtype):
+    """The decode cache of `generate.prefill` (ShapeDtypeStructs): one image, prompt = bucket length."""
+    ids = jax.ShapeDtypeStruct((1, prompt), jnp.int32)
+    valid = jax.ShapeDtypeStruct((1, prompt), jnp.bool_)
+    pixels = jax.ShapeDtypeStruct((1, *cfg.pixel_shape), dtype)
+    prefill = functools.partial(gen.prefill, cfg, method=method, max_new_tokens=new_tokens,
+                                sampling=gen.Sampling())
+    _, cache, _ = jax.eval_shape(prefill, params, ids, valid, pixels, jax.random.key(0))
+    return cache
+
+
+def nbytes(*structs) -> int:
+    return sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in structs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt", type=int, default=4096, help="prompt tokens (a bucket length)")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.2, 0.05])
+    args = parser.parse_args()
+    dtype = jnp.bfloat16
+    methods = [("full", get_method("full"))] + [(f"{b:.0%}", get_method("lookm", budget=b)) for b in args.budgets]
+
+    print(f"Prompt {args.prompt} tokens (one image) + {args.new_tokens} new tokens, batch 1, bf16 cache; "
+          "LOOK-M budgets split evenly into recent and important slots.\n")
+    head = ["model", "LM / vision / projector params", "total params", "KV bytes per token"]
+    head += [f"cache {name} (slots per head)" for name, _ in methods[:1]]
+    head += [f"LOOK-M {name} (slots, x full)" for name, _ in methods[1:]]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for name, hf_config in CONFIGS.items():
+        cfg = parse_config(hf_config)
+        shapes = param_shapes(cfg)
+        counts = {part: sum(math.prod(s) for s in flat.values()) for part, flat in shapes.items()}
+        params = abstract_params(shapes, dtype)
+        caches = [decode_cache(cfg, params, args.prompt, args.new_tokens, method, dtype) for _, method in methods]
+        full = nbytes(caches[0].keys, caches[0].values)
+        t = cfg.text
+        per_token = 2 * t.num_layers * t.num_kv_heads * t.head_dim * jnp.dtype(dtype).itemsize
+        cells = [name, " / ".join(f"{counts[p] / 1e9:.3f} B" for p in ("text", "vision", "projector")),
+                 f"{sum(counts.values()) / 1e9:.3f} B", f"{per_token / 2**10:.0f} KiB"]
+        for i, cache in enumerate(caches):
+            size = nbytes(cache.keys, cache.values)
+            assert size == per_token * cache.capacity  # [N, B, Hkv, S, D] K and V, nothing else
+            ratio = "" if i == 0 else f", {size / full:.3f}x"
+            cells.append(f"{size / GIB:.3f} GiB ({cache.capacity}{ratio})")
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

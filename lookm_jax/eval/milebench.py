@@ -1,0 +1,421 @@
+"""MileBench (Song et al., 2024) harness: `lookm eval milebench ROOT`.
+
+Reads MileBench's released layout: `ROOT/<Dataset>/<Dataset>.json` (`<Dataset>-adv.json` for the
+adversarial variant) with images under `ROOT/<Dataset>/images/`. Prompts are built as MileBench's
+`MileBenchDataset` builds them (`utils.py` of MileBench/MileBench): the task instruction, a newline,
+the context with every `{image#k}` / `{table#k}` (k = 1..#images) replaced by the image marker,
+and for multi-choice "\\nChoice list: \\n", the options "A. ..." one per line (GPR1200: no
+letters) and "\\nYour answer is: "; two adjacent markers get newlines after them (the CLEVR-Change
+fix of MileBench's LLaVA worker). The i-th marker in reading order shows the i-th image.
+
+Over-long prompts are cut from the left with the instruction and the question (the text after the
+last image) always kept, each image counted as `image_seq_length` tokens: the kept context is the
+longest suffix, in tokens, that fits; an image that does not fit whole is dropped with everything
+before it. (MileBench drops the whole text fragment that crosses the limit; here its tail is kept.)
+
+Predictions go to `OUTPUT/predictions.jsonl`, one line per sample as it finishes; a rerun skips
+the samples already there for the same config (model, method, dtype, max_new_tokens,
+max_prompt_tokens, adv). Scores (see `milebench_scoring`) are reported x100 per dataset and per
+the LOOK-M paper's task groups (a group is the mean of its datasets present, "overall" the mean of
+the groups present) in `OUTPUT/milebench_datasets.csv` and `OUTPUT/milebench_groups.csv`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import numpy as np
+
+from lookm_jax.eval.milebench_scoring import QUESTION_TYPES, choice_letters, normalize, score
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "T-1": ("ActionLocalization", "ActionPrediction", "ActionSequence"),
+    "T-2": ("ObjectExistence", "ObjectInteraction", "MovingAttribute", "ObjectShuffle"),
+    "T-3": ("EgocentricNavigation", "MovingDirection"),
+    "T-4": ("CounterfactualInference", "StateChange", "CharacterOrder", "SceneTransition"),
+    "S-1": ("WebQA", "TQA", "MultiModalQA", "WikiVQA"),
+    "S-2": ("SlideVQA", "OCR-VQA", "DocVQA"),
+    "S-3": ("CLEVR-Change", "Spot-the-Diff", "IEdit"),
+    "S-4": ("MMCoQA", "ALFRED"),
+    "S-5": ("nuscenes",),
+    "NH": ("TextNeedleInAHaystack", "ImageNeedleInAHaystack"),
+    "IR": ("GPR1200",),
+}
+DATASETS: tuple[str, ...] = tuple(d for names in GROUPS.values() for d in names)
+IMAGE_MARKER = "<image>"  # what `Model.encode_chat` expands into the image placeholder tokens
+NO_LETTERS = "GPR1200"  # its options are listed without letters (more than 26 of them)
+PREDICTIONS = "predictions.jsonl"
+DATASETS_CSV = "milebench_datasets.csv"
+GROUPS_CSV = "milebench_groups.csv"
+CONFIG_FIELDS = ("model", "method", "dtype", "max_new_tokens", "max_prompt_tokens", "adv")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    dataset: str
+    sample_id: int
+    question_type: str  # "multi-choice" | "open-ended"
+    instruction: str
+    texts: tuple[str, ...]  # the context split at the image markers (choices appended): len(images) + 1
+    images: tuple[str, ...]  # image file paths, in marker order
+    answer: str
+    choices: tuple[str, ...] | None
+    image_quantity_level: str | None
+
+
+# ---- reading the data -----------------------------------------------------------------------------
+def dataset_file(root: str, name: str, adv: bool = False) -> str:
+    return os.path.join(root, name, f"{name}-adv.json" if adv else f"{name}.json")
+
+
+def find_datasets(root: str, adv: bool = False) -> list[str]:
+    """Datasets present under root: the paper's order first, then any other folder of the same layout."""
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"MileBench root {root!r} is not a folder")
+    present = [d for d in sorted(os.listdir(root)) if os.path.isfile(dataset_file(root, d, adv))]
+    if not present:
+        expected = dataset_file(root, "<Dataset>", adv)
+        raise FileNotFoundError(f"no MileBench datasets under {root!r} (expected {expected})")
+    return sorted(present, key=lambda d: (DATASETS.index(d) if d in DATASETS else len(DATASETS), d))
+
+
+def _context(task: dict, dataset: str, n_images: int) -> str:
+    """The context with choices appended and placeholders replaced, as MileBench's `__getitem__`."""
+    context = task["context"]
+    if "choice_list" in task:
+        letters = ["" if dataset == NO_LETTERS else f"{k}. " for k in choice_letters(len(task["choice_list"]))]
+        context += "\nChoice list: \n" + "\n".join(f"{k}{choice}" for k, choice in zip(letters, task["choice_list"]))
+        context += "\nYour answer is: "
+    for k in range(1, n_images + 1):
+        context = context.replace(f"{{image#{k}}}", IMAGE_MARKER).replace(f"{{table#{k}}}", IMAGE_MARKER)
+    return context
+
+
+def _sample(item, meta: dict, dataset: str, image_dir: str, where: str) -> Sample:
+    if not isinstance(item, dict):
+        raise ValueError(f"{where}: a data entry must be an object, got {type(item).__name__}")
+    missing = {"sample_id", "task_instruction_id", "task_instance", "response"} - item.keys()
+    if missing:
+        raise ValueError(f"{where}: data entry lacks {sorted(missing)}")
+    sample_id, task = item["sample_id"], item["task_instance"]
+    where = f"{where} sample {sample_id}"
+    if not isinstance(sample_id, int) or isinstance(sample_id, bool):
+        raise ValueError(f"{where}: sample_id must be an int")
+    if not isinstance(task, dict) or not isinstance(task.get("context"), str) or not isinstance(
+            task.get("images_path"), list):
+        raise ValueError(f"{where}: task_instance needs a str 'context' and a list 'images_path'")
+    instructions = meta["task_instruction"]
+    if not isinstance(item["task_instruction_id"], int) or not 0 <= item["task_instruction_id"] < len(instructions):
+        raise ValueError(f"{where}: task_instruction_id {item['task_instruction_id']!r} is not an index into "
+                         f"the {len(instructions)} task instructions")
+    images = task["images_path"]
+    context = _context(task, dataset, len(images))
+    texts = context.split(IMAGE_MARKER)
+    if len(texts) != len(images) + 1:
+        raise ValueError(f"{where}: {len(texts) - 1} image placeholders in the context for {len(images)} images")
+    choices = None
+    answer = str(item["response"])
+    if meta["question_type"] == "multi-choice":
+        if not isinstance(task.get("choice_list"), list) or not task["choice_list"]:
+            raise ValueError(f"{where}: a multi-choice sample needs a non-empty 'choice_list'")
+        choices = tuple(str(c) for c in task["choice_list"])
+        if normalize(answer) not in [normalize(c) for c in choices]:
+            raise ValueError(f"{where}: the response {answer!r} is not one of its choices")
+    return Sample(dataset=dataset, sample_id=sample_id, question_type=meta["question_type"],
+                  instruction=instructions[item["task_instruction_id"]], texts=tuple(texts),
+                  images=tuple(os.path.join(image_dir, p) for p in images), answer=answer, choices=choices,
+                  image_quantity_level=item.get("image_quantity_level"))
+
+
+def load_dataset(root: str, name: str, adv: bool = False, limit: int | None = None) -> list[Sample]:
+    """The first `limit` (default all) samples of one dataset, validated (image files included)."""
+    path = dataset_file(root, name, adv)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"MileBench dataset {name!r}: no file {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    meta = raw.get("meta_data") if isinstance(raw, dict) else None
+    if not isinstance(meta, dict) or not isinstance(raw.get("data"), list):
+        raise ValueError(f"{path}: expected {{'meta_data': {{...}}, 'data': [...]}}")
+    if meta.get("question_type") not in QUESTION_TYPES:
+        raise ValueError(f"{path}: meta_data.question_type must be one of {QUESTION_TYPES}, "
+                         f"got {meta.get('question_type')!r}")
+    instructions = meta.get("task_instruction")
+    if not isinstance(instructions, list) or not all(isinstance(t, str) for t in instructions):
+        raise ValueError(f"{path}: meta_data.task_instruction must be a list of strings")
+    image_dir = os.path.join(root, name, "images")
+    samples = [_sample(item, meta, name, image_dir, path) for item in raw["data"]]
+    ids = [s.sample_id for s in samples]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: duplicate sample_id values")
+    samples = samples[:limit]
+    for s in samples:
+        for image in s.images:
+            if not os.path.isfile(image):
+                raise FileNotFoundError(f"{path} sample {s.sample_id}: image {image} not found")
+    return samples
+
+
+# ---- prompts --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    input_ids: np.ndarray  # [1, L] int32, image markers expanded
+    images: tuple[str, ...]  # the images kept, in order
+    truncated: bool
+
+
+def render(instruction: str, texts: list[str] | tuple[str, ...]) -> str:
+    """The user turn: instruction, newline, texts joined by image markers (adjacent markers get newlines)."""
+    prompt = instruction + "\n" + IMAGE_MARKER.join(texts)
+    return prompt.replace(IMAGE_MARKER * 2, (IMAGE_MARKER + "\n") * 2)
+
+
+def _suffix(sample: Sample, budget: int, image_tokens: int, tokenizer) -> list[str]:
+    """The context texts (question last) of the longest suffix costing <= budget tokens, question aside.
+
+    Returns k + 1 texts for the last k images; the first may be the tail of a longer text.
+    """
+    kept = [sample.texts[-1]]
+    for text in reversed(sample.texts[:-1]):  # each of these texts is followed by an image
+        if image_tokens > budget:
+            return kept
+        budget -= image_tokens
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        if len(ids) > budget:
+            return [tokenizer.decode(ids[len(ids) - budget:]) if budget else ""] + kept
+        budget -= len(ids)
+        kept.insert(0, text)
+    return kept
+
+
+def build_prompt(model, sample: Sample, max_tokens: int) -> Prompt:
+    """Chat-templated ids of the sample's prompt, cut from the left to at most max_tokens."""
+    from lookm_jax.generate import PromptTooLongError
+
+    ids = model.encode_chat(render(sample.instruction, sample.texts))
+    if ids.shape[1] <= max_tokens:
+        return Prompt(ids, sample.images, truncated=False)
+    protected = model.encode_chat(render(sample.instruction, sample.texts[-1:])).shape[1]
+    budget = max_tokens - protected
+    if budget < 0:
+        raise PromptTooLongError(f"{sample.dataset} sample {sample.sample_id}: the instruction and question alone "
+                                 f"take {protected} tokens, over the limit of {max_tokens}")
+    while True:  # separately tokenized fragments may merge differently: shrink until the whole fits
+        texts = _suffix(sample, budget, model.config.image_seq_length, model.tokenizer)
+        ids = model.encode_chat(render(sample.instruction, texts))
+        over = ids.shape[1] - max_tokens
+        if over <= 0:
+            n_images = len(texts) - 1
+            return Prompt(ids, sample.images[len(sample.images) - n_images:], truncated=True)
+        budget -= over
+
+
+# ---- running --------------------------------------------------------------------------------------
+def method_label(method) -> str:
+    """Class name with the fields that differ from their defaults (the budget fractions always)."""
+    shown = [f"{f.name}={getattr(method, f.name)!r}" for f in dataclasses.fields(method)
+             if f.name in ("alpha_recent", "alpha_important") or getattr(method, f.name) != f.default]
+    return f"{type(method).__name__}({', '.join(shown)})"
+
+
+def read_predictions(path: str) -> list[dict]:
+    """The records of a predictions file (none if it does not exist)."""
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path} line {number}: not a JSON record ({err})") from None
+            if not isinstance(record, dict) or not {*CONFIG_FIELDS, "dataset", "sample_id", "score"} <= record.keys():
+                raise ValueError(f"{path} line {number}: not a MileBench prediction record")
+            records.append(record)
+    return records
+
+
+def drop_partial_line(path: str) -> bool:
+    """Cut a last line that an interruption left without its newline; True if there was one."""
+    if not os.path.exists(path):
+        return False
+    with open(path, "rb+") as f:
+        data = f.read()
+        if not data or data.endswith(b"\n"):
+            return False
+        f.truncate(data.rfind(b"\n") + 1)
+    return True
+
+
+def evaluate(model, samples: list[Sample], method, config: dict, output: str) -> list[dict]:
+    """Generate and score every sample not yet in OUTPUT/predictions.jsonl for this config, appending
+    one record per sample as it finishes. Returns all records of the file (every config)."""
+    from PIL import Image
+    from tqdm import tqdm
+
+    path = os.path.join(output, PREDICTIONS)
+    if drop_partial_line(path):
+        print(f"note: removed an incomplete last line from {path} (an interrupted run)")
+    done = {(r["dataset"], r["sample_id"]) for r in read_predictions(path)
+            if all(r[k] == config[k] for k in CONFIG_FIELDS)}
+    todo = [s for s in samples if (s.dataset, s.sample_id) not in done]
+    if len(todo) < len(samples):
+        print(f"resuming: {len(samples) - len(todo)} of {len(samples)} samples already in {path}")
+    with open(path, "a", encoding="utf-8") as out, tqdm(total=len(todo), unit="sample", desc="milebench") as bar:
+        for sample in todo:
+            bar.set_postfix_str(sample.dataset, refresh=False)
+            prompt = build_prompt(model, sample, config["max_prompt_tokens"])
+            # MileBench's LLaVA worker opens images with .convert("RGB") (no compositing onto white).
+            pixels = (model.preprocess_images([Image.open(p).convert("RGB") for p in prompt.images])[0]
+                      if prompt.images else None)
+            start = time.perf_counter()
+            result = model.run(prompt.input_ids, pixels, max_new_tokens=config["max_new_tokens"], method=method)
+            prediction = model.decode_text(result.tokens[0][: int(result.lengths[0])]).strip()
+            record = {
+                **config, "dataset": sample.dataset, "sample_id": sample.sample_id,
+                "question_type": sample.question_type, "image_quantity_level": sample.image_quantity_level,
+                "answer": sample.answer, "choices": sample.choices, "prediction": prediction,
+                "score": score(sample.dataset, sample.question_type, prediction, sample.answer, sample.choices),
+                "prompt_tokens": int(result.prompt_lengths[0]), "image_tokens": int(result.image_tokens[0]),
+                "images_kept": len(prompt.images), "images_total": len(sample.images), "truncated": prompt.truncated,
+                "kept_image_tokens": float(result.kept_image_tokens[0]),
+                "kept_text_tokens": float(result.kept_text_tokens[0]), "cache_bytes": result.cache_bytes,
+                "full_cache_bytes": result.full_cache_bytes, "seconds": time.perf_counter() - start,
+            }
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            out.flush()
+            bar.update()
+    return read_predictions(path)
+
+
+# ---- tables ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Row:
+    config: dict  # CONFIG_FIELDS
+    datasets: dict[str, float]  # dataset -> mean score x100
+    groups: dict[str, float]  # task group -> mean of its datasets present
+    overall: float | None  # mean of the groups present
+    samples: int
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def summarize(records: list[dict]) -> list[Row]:
+    """One row per config, in first-seen order."""
+    scores: dict[tuple, dict[str, list[float]]] = {}
+    for r in records:
+        scores.setdefault(tuple(r[k] for k in CONFIG_FIELDS), {}).setdefault(r["dataset"], []).append(r["score"])
+    rows = []
+    for key, per_dataset in scores.items():
+        datasets = {d: 100 * _mean(v) for d, v in per_dataset.items()}
+        groups = {g: _mean(datasets[d] for d in names if d in datasets)
+                  for g, names in GROUPS.items() if any(d in datasets for d in names)}
+        rows.append(Row(config=dict(zip(CONFIG_FIELDS, key)), datasets=datasets, groups=groups,
+                        overall=_mean(groups.values()) if groups else None,
+                        samples=sum(len(v) for v in per_dataset.values())))
+    return rows
+
+
+def _dataset_columns(rows: list[Row]) -> list[str]:
+    present = {d for row in rows for d in row.datasets}
+    return [d for d in DATASETS if d in present] + sorted(present - set(DATASETS))
+
+
+def table(rows: list[Row], by: str) -> tuple[list[str], list[list]]:
+    """(header, lines) of the group table (by="groups": task groups, overall) or the dataset table."""
+    columns = list(GROUPS) + ["overall"] if by == "groups" else _dataset_columns(rows)
+    header = list(CONFIG_FIELDS) + columns + ["samples"]
+    lines = []
+    for row in rows:
+        values = {**row.groups, "overall": row.overall} if by == "groups" else row.datasets
+        scores = [None if values.get(c) is None else round(values[c], 2) for c in columns]
+        lines.append([row.config[k] for k in CONFIG_FIELDS] + scores + [row.samples])
+    return header, lines
+
+
+def write_csv(path: str, header: list[str], lines: list[list]) -> None:
+    """Atomically (a temporary file, then a rename)."""
+    import csv
+
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows([["" if v is None else v for v in line] for line in lines])
+    os.replace(tmp, path)
+
+
+def format_table(header: list[str], lines: list[list]) -> str:
+    """Plain-text table; the method (and adv) stand for the config, the other config fields are in the CSV."""
+    skip = {i for i, h in enumerate(header) if h in CONFIG_FIELDS and h not in ("method", "adv")}
+    cells = [[h for i, h in enumerate(header) if i not in skip]]
+    cells += [["-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)
+               for i, v in enumerate(line) if i not in skip] for line in lines]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+# ---- command --------------------------------------------------------------------------------------
+def cmd_milebench(args) -> int:
+    import jax.numpy as jnp
+
+    import lookm_jax
+    from lookm_jax.cli import _method_from_args
+
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    names = args.datasets or find_datasets(args.root, args.adv)
+    samples = [s for name in names for s in load_dataset(args.root, name, args.adv, args.limit)]
+    method = _method_from_args(args)
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    model = lookm_jax.load(args.model, dtype) if args.model else lookm_jax.load_default(dtype)
+    if not model.is_multimodal:
+        raise ValueError("MileBench needs a multimodal (LLaVA) model; this one is text-only")
+    if hasattr(model.config, "expand_image_markers"):  # as Model.encode_chat tells tiling models apart
+        raise ValueError("tiling models (HF-format InternVL) are not supported by the MileBench harness yet: "
+                         "their image token counts depend on each image's tiles")
+    max_prompt = max(model.buckets) if args.max_prompt_tokens is None else args.max_prompt_tokens
+    if not 0 < max_prompt <= max(model.buckets):
+        raise ValueError(f"--max-prompt-tokens must be in 1..{max(model.buckets)} (the largest bucket), "
+                         f"got {max_prompt}")
+    config = {"model": os.path.abspath(args.model) if args.model else "default", "method": method_label(method),
+              "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": max_prompt,
+              "adv": args.adv}
+    os.makedirs(args.output, exist_ok=True)
+    rows = summarize(evaluate(model, samples, method, config, args.output))
+    for by, name in (("datasets", DATASETS_CSV), ("groups", GROUPS_CSV)):
+        header, lines = table(rows, by)
+        write_csv(os.path.join(args.output, name), header, lines)
+        print(f"\nMileBench by {by[:-1]} (score x100; {os.path.join(args.output, name)}):")
+        print(format_table(header, lines))
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    from lookm_jax.cli import add_method_arguments
+
+    p = subparsers.add_parser("milebench", help="evaluate a method on MileBench (downloaded separately)",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("root", help="MileBench folder: ROOT/<Dataset>/<Dataset>.json and ROOT/<Dataset>/images/")
+    p.add_argument("--datasets", nargs="+", help="dataset names (default: every one present under ROOT)")
+    p.add_argument("--adv", action="store_true", help="the adversarial variant (<Dataset>-adv.json)")
+    p.add_argument("--model", help="HF llava checkpoint folder or converted folder (default: the embedded demo model)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    add_method_arguments(p)
+    p.add_argument("--max-new-tokens", type=int, default=512, help="MileBench's setting: 512")
+    p.add_argument("--max-prompt-tokens", type=int,
+                   help="cut longer prompts from the left (default: the largest prompt bucket)")
+    p.add_argument("--limit", type=int, help="only the first N samples of each dataset")
+    p.add_argument("--output", default="milebench_results", help="folder for predictions.jsonl and the CSV tables")
+    p.set_defaults(func=cmd_milebench)

@@ -1,0 +1,410 @@
+"""Offline multimodal needle-in-a-haystack benchmark (`lookm eval needle`).
+
+A haystack of generated text passages with images between them (MileBench-style interleaving, image
+tokens >= 70% of the prompt) hides one RULER-style text needle, "The special magic number for
+<word> is <4 digits>.", at a chosen depth; the question comes last. A generated answer counts as
+correct when the needle's 4 digits appear in it as a whole number (not inside a longer digit run).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import re
+import time
+
+import numpy as np
+
+# SmolLM2's chat template with its default system prompt adds 30 tokens around the user turn.
+CHAT_TEMPLATE_TOKENS = 30
+DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+QUESTION = "What is the special magic number for {word}? Answer with the number only."
+NEEDLE = "The special magic number for {word} is {number}."
+IMAGE_MARKER = "<image>"
+
+# Needle keys and haystack vocabulary. The haystack's sentences are drawn from these lists, so
+# they never mention numbers or the needle's phrasing.
+NEEDLE_WORDS = (
+    "apple", "anchor", "badger", "banjo", "beacon", "blossom", "bridge", "cactus", "canyon", "castle",
+    "cedar", "comet", "compass", "coral", "cricket", "dolphin", "dragon", "ember", "falcon", "fern",
+    "garnet", "glacier", "harbor", "hazel", "helmet", "island", "jasmine", "kettle", "lantern", "lemon",
+    "lotus", "magnet", "maple", "meadow", "meteor", "nectar", "oasis", "orchid", "otter", "panther",
+    "pebble", "pepper", "pilgrim", "quartz", "raven", "saddle", "sapphire", "thistle", "tulip", "walnut",
+)
+_SUBJECTS = ("the farmer", "an old sailor", "the village baker", "a young painter", "the librarian",
+             "my neighbor", "the river guide", "a tired traveler", "the school teacher", "the night guard",
+             "a quiet student", "the market seller", "the gardener", "a curious child", "the ferry captain")
+_VERBS = ("carried", "painted", "repaired", "found", "described", "cleaned", "remembered", "followed",
+          "watched", "sketched", "collected", "admired", "measured", "ignored", "discovered")
+_OBJECTS = ("a wooden boat", "the broken fence", "a basket of pears", "the stone wall", "an empty jar",
+            "the narrow path", "a faded map", "the copper bell", "a pile of leaves", "the long table",
+            "a silver spoon", "the hanging lamp", "a woolen scarf", "the garden gate", "a clay pot")
+_PLACES = ("near the harbor", "behind the mill", "at the edge of town", "under the bridge", "in the valley",
+           "beside the well", "on the hill", "in the old square", "along the coast", "inside the barn",
+           "past the orchard", "by the lake", "in the quiet street", "at the station", "near the forest")
+_TIMES = ("early in the morning", "before the rain", "after dinner", "during the festival", "at noon",
+          "late at night", "in the spring", "on a windy day", "after the storm", "before sunrise")
+
+
+@dataclasses.dataclass(frozen=True)
+class NeedleSample:
+    context: str  # haystack passages with the needle sentence inside; "<image>" markers between passages
+    question: str  # "What is the special magic number for <word>? ..."
+    answer: str  # the 4 digits
+    depth: float  # nominal needle position as a fraction of the context (tokens, images included)
+    num_images: int
+
+    @property
+    def prompt(self) -> str:
+        """The user turn: context, then the question last."""
+        return f"{self.context}\n\n{self.question}"
+
+
+def _sentence(rng: np.random.Generator) -> str:
+    parts = [rng.choice(lst) for lst in (_SUBJECTS, _VERBS, _OBJECTS, _PLACES, _TIMES)]
+    return f"{parts[0][0].upper()}{parts[0][1:]} {parts[1]} {parts[2]} {parts[3]} {parts[4]}."
+
+
+def _n_tokens(tokenizer, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def _build(tokenizer, rng, length, image_seq_length, image_fraction, depth) -> NeedleSample:
+    word = str(rng.choice(NEEDLE_WORDS))
+    number = str(rng.integers(1000, 10000))
+    question = QUESTION.format(word=word)
+    needle = NEEDLE.format(word=word, number=number)
+    num_images = max(1, round(image_fraction * length / image_seq_length)) if image_seq_length else 0
+    image_cost = image_seq_length + 2  # the placeholders and the newlines around the marker
+    text_budget = (length - CHAT_TEMPLATE_TOKENS - num_images * image_cost
+                   - _n_tokens(tokenizer, "\n\n" + question) - _n_tokens(tokenizer, " " + needle))
+    if text_budget < 8 * (num_images + 1):
+        raise ValueError(f"length {length} leaves {text_budget} text tokens for {num_images} image(s) of "
+                         f"{image_seq_length} tokens; use a longer length or a smaller image_fraction")
+    sentences, costs = [], []  # haystack sentences and their token counts (with the leading space)
+    while True:  # stop before the budget is exceeded, so the prompt stays inside its bucket
+        sentence = _sentence(rng)
+        cost = _n_tokens(tokenizer, " " + sentence)
+        if sum(costs) + cost > text_budget:
+            break
+        sentences.append(sentence)
+        costs.append(cost)
+    # Passages: num_images + 1 runs of sentences of about equal token count, images between them.
+    bounds = np.searchsorted(np.cumsum(costs), np.arange(1, num_images + 1) * sum(costs) / (num_images + 1))
+    passages = [list(p) for p in np.split(np.asarray(sentences, dtype=object), bounds)]
+    # Token offset of every sentence boundary (images included), then the one nearest the depth.
+    slots, offset = [], 0  # (passage index, sentence index, token offset before it)
+    cost_iter = iter(costs)
+    for p, passage in enumerate(passages):
+        for s in range(len(passage) + 1):
+            slots.append((p, s, offset))
+            if s < len(passage):
+                offset += next(cost_iter)
+        offset += image_seq_length if p < num_images else 0
+    p, s, _ = min(slots, key=lambda slot: abs(slot[2] - depth * offset))
+    passages[p].insert(s, needle)
+    texts = [" ".join(passage) for passage in passages]
+    context = f"\n{IMAGE_MARKER}\n".join(texts)
+    return NeedleSample(context=context, question=question, answer=number, depth=depth, num_images=num_images)
+
+
+def make_samples(tokenizer, length: int, n: int, seed: int, *, image_seq_length: int = 0,
+                 image_fraction: float = 0.75, depths=DEFAULT_DEPTHS) -> list[NeedleSample]:
+    """n samples whose chat-templated prompt is about `length` tokens.
+
+    Each image counts image_seq_length tokens (0: text only, no images); images take about
+    `image_fraction` of the prompt (at least one image). Sample i hides its needle at
+    depths[i % len(depths)]. `tokenizer` is a tokenizers.Tokenizer (model.tokenizer).
+    Deterministic in (seed, length).
+    """
+    if n < 1 or length < 1:
+        raise ValueError(f"need n >= 1 and length >= 1, got n={n}, length={length}")
+    if not 0 <= image_fraction < 1:
+        raise ValueError(f"image_fraction must be in [0, 1), got {image_fraction}")
+    if not depths or any(not 0 <= d <= 1 for d in depths):
+        raise ValueError(f"depths must be a non-empty sequence of fractions in [0, 1], got {depths}")
+    if image_seq_length < 0:
+        raise ValueError(f"image_seq_length must be >= 0, got {image_seq_length}")
+    rng = np.random.default_rng([seed, length])
+    return [_build(tokenizer, rng, length, image_seq_length, image_fraction, float(depths[i % len(depths)]))
+            for i in range(n)]
+
+
+def is_correct(answer: str, generated: str) -> bool:
+    """Exact match: `answer` (the needle's digits) appears in `generated` as a whole number."""
+    return re.search(rf"(?<!\d){re.escape(answer)}(?!\d)", generated) is not None
+
+
+# ---- the sweep ------------------------------------------------------------------------------------
+
+CSV_COLUMNS = ("label", "method", "text_prior", "merge", "budget", "length", "samples", "accuracy", "fidelity")
+DEFAULT_BUDGETS = (0.05, 0.1, 0.2, 0.5)
+LOOKM_MERGES = ("none", "averaged", "pivotal", "weighted")
+_LABELS = {"full": "full", "streamingllm": "StreamingLLM", "h2o": "H2O", "snapkv": "SnapKV", "roco": "RoCo"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+    """One cache configuration of the sweep; text_prior/merge are LOOK-M's options ("" otherwise)."""
+    method: str
+    budget: float  # kept fraction of the prompt; 1.0 for the full cache
+    text_prior: str = ""  # "1" | "0" | ""
+    merge: str = ""  # "none" | "averaged" | "pivotal" | "weighted" | ""
+
+    @property
+    def label(self) -> str:
+        if self.method != "lookm":
+            return _LABELS.get(self.method, self.method)
+        prior = "text-prior" if self.text_prior == "1" else "no text-prior"
+        return f"LOOK-M ({prior}, {'no merge' if self.merge == 'none' else self.merge})"
+
+    def build(self):
+        from lookm_jax.methods import get_method
+
+        if self.method == "full":
+            return get_method("full")
+        options = {}
+        if self.method == "lookm":
+            options = {"text_prior": self.text_prior == "1", "merge": None if self.merge == "none" else self.merge}
+        return get_method(self.method, budget=self.budget, **options)
+
+
+def sweep_configs(methods, budgets) -> list[SweepConfig]:
+    """The full cache once, then every other method at every budget; "lookm" expands to its 8
+    variants (text-prior on/off x merge none/averaged/pivotal/weighted)."""
+    from lookm_jax.methods import METHODS
+
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise ValueError(f"unknown methods {sorted(unknown)}; known: {', '.join(METHODS)}")
+    if any(not 0 < b <= 1 for b in budgets):
+        raise ValueError(f"budgets must be fractions in (0, 1], got {budgets}")
+    configs = [SweepConfig("full", 1.0)]
+    for budget in budgets:
+        for name in (m for m in METHODS if m in methods and m != "full"):
+            if name == "lookm":
+                configs += [SweepConfig(name, budget, prior, merge) for prior in ("1", "0") for merge in LOOKM_MERGES]
+            else:
+                configs.append(SweepConfig(name, budget))
+    return configs
+
+
+def _row_key(row: dict) -> tuple:
+    return row["seed"], row["images"], row["length"], row["sample"], row["label"], row["budget"]
+
+
+def read_rows(path) -> list[dict]:
+    """Per-sample rows of a JSONL written by `run_sweep` ([] when the file does not exist yet); a
+    last line cut short by an interrupted write is ignored (and overwritten by the next run)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = f.read().split("\n")
+    return [json.loads(line) for line in lines[:-1] if line.strip()]  # lines[-1]: "" or a cut line
+
+
+def _drop_cut_line(path: str) -> None:
+    """Truncate the JSONL after its last complete line (an interrupted write leaves a partial one)."""
+    with open(path, "rb+") as f:
+        data = f.read()
+        f.truncate(data.rfind(b"\n") + 1)
+
+
+def _pixel_values(model, num_images: int) -> np.ndarray | None:
+    """The bundled pictures, cycled, as [num_images, 3, H, W] (noise to the demo's untrained tower)."""
+    if num_images == 0:
+        return None
+    from PIL import Image
+
+    from lookm_jax.cli import DEFAULT_IMAGES
+    from lookm_jax.models.image_processing import CLIPImageProcessorConfig, preprocess_images
+
+    _, height, width = model.config.pixel_shape
+    default = {"size": {"shortest_edge": height}, "crop_size": {"height": height, "width": width}}
+    processor = CLIPImageProcessorConfig.from_hf_dict(model.manifest.get("image_processor") or default)
+    pictures = preprocess_images([Image.open(p) for p in DEFAULT_IMAGES], processor)
+    return pictures[np.arange(num_images) % len(pictures)]
+
+
+def run_sweep(model, configs: list[SweepConfig], lengths, n: int, seed: int, jsonl_path: str, *,
+              text_only: bool = False, image_fraction: float = 0.75, batch_size: int = 4, max_new_tokens: int = 32,
+              max_decode_rows: int = 16, first_sample: int = 0, log=print) -> list[dict]:
+    """Answer n needle samples per length with every config, appending per-sample rows to
+    `jsonl_path` as each batch finishes; rows already there (same seed, images, length, sample,
+    config) are skipped, so a rerun resumes. Each batch of `batch_size` samples is prefilled once
+    (`Model.generate_methods`); greedy decoding; the full cache always runs, as fidelity's reference.
+    `first_sample` > 0 skips the samples before it (to split a sweep over processes, each with its
+    own JSONL). Returns every row of the file for these settings."""
+    if configs[0] != SweepConfig("full", 1.0):
+        raise ValueError("configs must start with the full cache (fidelity's reference)")
+    image_seq_length = 0 if text_only else model.config.image_seq_length
+    methods = [c.build() for c in configs]
+    done = {_row_key(r) for r in read_rows(jsonl_path)}
+    os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
+    if os.path.exists(jsonl_path):
+        _drop_cut_line(jsonl_path)
+    start = time.perf_counter()
+    batches = [(length, first) for length in lengths for first in range(first_sample, n, batch_size)]
+    samples = {length: make_samples(model.tokenizer, length, n, seed, image_seq_length=image_seq_length,
+                                    image_fraction=image_fraction) for length in lengths}
+    for b, (length, first) in enumerate(batches):
+        batch = list(enumerate(samples[length]))[first:first + batch_size]
+        images = batch[0][1].num_images
+        todo = {(c.label, c.budget, i) for c in configs for i, _ in batch
+                if (seed, images, length, i, c.label, c.budget) not in done}
+        if not todo:
+            continue
+        encoded = [model.encode_chat(s.prompt)[0] for _, s in batch]
+        ids = np.zeros((len(batch), max(len(e) for e in encoded)), np.int32)
+        mask = np.zeros(ids.shape, bool)
+        for r, e in enumerate(encoded):
+            ids[r, :len(e)], mask[r, :len(e)] = e, True
+        pixels = _pixel_values(model, images * len(batch))
+        outputs = model.generate_methods(ids, pixels, mask, max_new_tokens, methods=methods,
+                                         max_decode_rows=max_decode_rows)
+        reference = outputs[0]
+        lines = []
+        for config, tokens in zip(configs, outputs):
+            for r, (i, sample) in enumerate(batch):
+                if (config.label, config.budget, i) not in todo:
+                    continue
+                text = model.decode_text(tokens[r])
+                lines.append(json.dumps({
+                    "seed": seed, "images": images, "length": length, "prompt_tokens": int(mask[r].sum()),
+                    "sample": i, "depth": sample.depth, "label": config.label, "method": config.method,
+                    "text_prior": config.text_prior, "merge": config.merge, "budget": config.budget,
+                    "answer": sample.answer, "output": text, "correct": is_correct(sample.answer, text),
+                    "fidelity": float(np.mean(tokens[r] == reference[r]))}))
+        with open(jsonl_path, "a") as f:
+            f.write("\n".join(lines) + "\n")
+        elapsed = time.perf_counter() - start
+        log(f"[{b + 1}/{len(batches)}] length {length} samples {first}-{first + len(batch) - 1}: "
+            f"{elapsed:.0f} s elapsed, ETA {elapsed / (b + 1) * (len(batches) - b - 1):.0f} s")
+    return select_rows(read_rows(jsonl_path), configs, lengths, n, seed, text_only)
+
+
+def select_rows(rows: list[dict], configs: list[SweepConfig], lengths, n: int, seed: int,
+                text_only: bool) -> list[dict]:
+    """The rows of these settings: configs, lengths, samples 0..n-1, seed, with or without images."""
+    wanted = {(c.label, c.budget) for c in configs}
+    unique = {_row_key(r): r for r in reversed(rows)}  # one row per key (JSONLs may have been merged)
+    return [r for r in rows if unique[_row_key(r)] is r and r["seed"] == seed and r["length"] in lengths
+            and (r["images"] == 0) == text_only and r["sample"] < n and (r["label"], r["budget"]) in wanted]
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (config, length): samples, accuracy and fidelity (means over samples), CSV_COLUMNS keys."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        key = (r["label"], r["method"], r["text_prior"], r["merge"], r["budget"], r["length"])
+        groups.setdefault(key, []).append(r)
+    return [dict(zip(CSV_COLUMNS, key + (len(g), float(np.mean([r["correct"] for r in g])),
+                                         float(np.mean([r["fidelity"] for r in g])))))
+            for key, g in groups.items()]
+
+
+def write_csv(path: str, table: list[dict]) -> None:
+    """Write the summary table atomically (a temporary file renamed into place)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows(table)
+    os.replace(tmp, path)
+
+
+def format_table(table: list[dict], column: str = "accuracy") -> str:
+    """A markdown table of `column`: one row per config label, one column per (budget, length)."""
+    budgets = sorted({r["budget"] for r in table if r["method"] != "full"}) or [1.0]
+    lengths = sorted({r["length"] for r in table})
+    cells = {(r["label"], r["budget"], r["length"]): r[column] for r in table}
+    labels = list(dict.fromkeys(r["label"] for r in table))
+    head = ["config"] + [f"{b:g} @ {n}" for b in budgets for n in lengths]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label in labels:
+        if label == "full":
+            values = [cells.get(("full", 1.0, n)) for b in budgets for n in lengths]
+        else:
+            values = [cells.get((label, b, n)) for b in budgets for n in lengths]
+        lines.append("| " + " | ".join([label] + ["" if v is None else f"{v:.2f}" for v in values]) + " |")
+    return "\n".join(lines)
+
+
+def format_depths(rows: list[dict]) -> str:
+    """Accuracy of the full cache per (length, depth): the calibration table."""
+    full = [r for r in rows if r["method"] == "full"]
+    lengths = sorted({r["length"] for r in full})
+    depths = sorted({r["depth"] for r in full})
+    lines = ["| length | prompt tokens | " + " | ".join(f"depth {d:g}" for d in depths) + " | all |",
+             "|" + "---|" * (len(depths) + 3)]
+    for n in lengths:
+        at = [r for r in full if r["length"] == n]
+        per_depth = [[r["correct"] for r in at if r["depth"] == d] for d in depths]
+        tokens = [r["prompt_tokens"] for r in at]
+        lines.append(f"| {n} | {min(tokens)}-{max(tokens)} | "
+                     + " | ".join(f"{sum(c)}/{len(c)}" for c in per_depth)
+                     + f" | {sum(r['correct'] for r in at)}/{len(at)} ({np.mean([r['correct'] for r in at]):.0%}) |")
+    return "\n".join(lines)
+
+
+# ---- the command ----------------------------------------------------------------------------------
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("needle", help="offline multimodal needle-in-a-haystack benchmark on the demo model")
+    p.add_argument("mode", choices=("calibrate", "sweep"),
+                   help="calibrate: the full cache only, accuracy per length and depth; sweep: every config")
+    p.add_argument("--model", help="model folder or .gguf (default: the embedded SmolLM2 demo model)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024],
+                   help="prompt lengths in tokens (the demo's full cache answers >= 80%% up to ~1.5k)")
+    p.add_argument("--samples", type=int, default=52,
+                   help="samples per length, each config answers all (a multiple of --batch-size compiles once)")
+    p.add_argument("--budgets", type=float, nargs="+", default=list(DEFAULT_BUDGETS))
+    p.add_argument("--methods", nargs="+", help="methods to sweep (default: all; lookm = its 8 variants)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=4, help="samples prefilled together")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-decode-rows", type=int, default=16, help="rows per shared decode call")
+    p.add_argument("--text-only", action="store_true", help="no images (plain-text haystacks)")
+    p.add_argument("--image-fraction", type=float, default=0.75, help="share of the prompt's tokens in images")
+    p.add_argument("--jsonl", help="per-sample rows, appended and resumed (default: results/needle/MODE.jsonl)")
+    p.add_argument("--output", help="summary CSV (default: docs/needle_MODE.csv)")
+    p.add_argument("--first-sample", type=int, default=0,
+                   help="skip the samples before this index (split a sweep over processes, one JSONL each)")
+    p.add_argument("--report-only", action="store_true",
+                   help="summarise the rows already in the JSONL (e.g. of an interrupted run); run nothing")
+    p.set_defaults(func=cmd_needle)
+
+
+def cmd_needle(args) -> int:
+    import lookm_jax
+    from lookm_jax.methods import METHODS
+
+    suffix = "-text" if args.text_only else ""
+    jsonl = args.jsonl or os.path.join("results", "needle", f"{args.mode}{suffix}.jsonl")
+    output = args.output or os.path.join("docs", f"needle_{args.mode}{suffix}.csv")
+    if args.samples < 1 or args.batch_size < 1:
+        raise ValueError(f"need --samples >= 1 and --batch-size >= 1, got {args.samples}, {args.batch_size}")
+    configs = sweep_configs(["full"] if args.mode == "calibrate" else (args.methods or METHODS), args.budgets)
+    print(f"needle {args.mode}: {len(configs)} configs x lengths {args.lengths} x {args.samples} samples, "
+          f"seed {args.seed}, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    if args.report_only:
+        rows = select_rows(read_rows(jsonl), configs, args.lengths, args.samples, args.seed, args.text_only)
+        if not rows:
+            raise ValueError(f"{jsonl} holds no rows for these settings")
+    else:
+        model = lookm_jax.load(args.model) if args.model else lookm_jax.load_default()
+        rows = run_sweep(model, configs, args.lengths, args.samples, args.seed, jsonl, text_only=args.text_only,
+                         image_fraction=args.image_fraction, batch_size=args.batch_size,
+                         max_new_tokens=args.max_new_tokens, max_decode_rows=args.max_decode_rows,
+                         first_sample=args.first_sample, log=lambda s: print(s, flush=True))
+    table = summarize(rows)
+    write_csv(output, table)
+    print(format_depths(rows))
+    if args.mode == "sweep":
+        print("\naccuracy\n" + format_table(table) + "\n\nfidelity (first 32 greedy tokens equal to the full cache's)\n"
+              + format_table(table, "fidelity"))
+    print(f"rows: {jsonl}; table: {output}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0

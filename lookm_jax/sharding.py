@@ -1,0 +1,116 @@
+"""Running on a device mesh: tensor parallel over KV heads ("model"), data parallel over rows ("data").
+
+The compiled prefill and decode are the same functions as on one device; only where the arrays live
+changes. Parameters are laid out Megatron-style (`param_specs`): attention q/k/v and the MLP's
+gate/up are column parallel (their output features, i.e. whole heads, split over "model"), o and
+down are row parallel (their input features split, the partial sums all-reduced), the embedding
+and the LM head are split over the vocabulary, and the CLIP tower and projector follow the same
+column/row pattern; norms, biases of row-parallel layers and anything not listed (other
+architectures' vision parts) are replicated. A decoder layer then costs two all-reduces of the
+hidden states, as in Megatron-LM.
+
+The KV cache is [layers, B over "data", Hkv over "model", S, D], so each device holds, scores,
+compresses and attends to its own rows' own KV heads: compression is per (row, head) and never
+gathers the cache (tests/mesh_check.py checks the compiled HLO). Hkv must divide over "model".
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from lookm_jax.cache import KVCache
+
+DATA, MODEL = "data", "model"
+
+# (subtree, leaf) -> the mesh axis of each dimension; layer-stacked leaves lead with the layer axis.
+_COLUMN = P(None, None, MODEL)  # [N, in, out]: output features split
+_ROW = P(None, MODEL, None)  # [N, in, out]: input features split
+_LAYER_VECTOR = P(None, MODEL)  # [N, out] bias of a column-parallel layer
+PARAM_RULES: dict[tuple[str, str], P] = {
+    ("text", "embed"): P(MODEL, None),  # [V, H]: a masked local lookup + all-reduce; tied logits split over V
+    ("text", "lm_head"): P(None, MODEL),  # [H, V]
+    **{("text", k): _COLUMN for k in ("wq", "wk", "wv", "w_gate", "w_up")},
+    **{("text", k): _ROW for k in ("wo", "w_down")},
+    **{("text", k): _LAYER_VECTOR for k in ("bq", "bk", "bv")},  # Qwen2's q/k/v biases
+    **{("vision", k): _COLUMN for k in ("wq", "wk", "wv", "fc1_w")},
+    **{("vision", k): _LAYER_VECTOR for k in ("bq", "bk", "bv", "fc1_b")},
+    **{("vision", k): _ROW for k in ("wo", "fc2_w")},
+    ("projector", "w1"): P(None, MODEL),  # [H_in, H]
+    ("projector", "b1"): P(MODEL),
+    ("projector", "w2"): P(MODEL, None),
+}
+
+CACHE_SPECS = KVCache(keys=P(None, DATA, MODEL, None, None), values=P(None, DATA, MODEL, None, None),
+                      positions=P(None, DATA, MODEL, None), cursor=P(), next_position=P(DATA))
+ROWS = P(DATA)  # [B, ...] inputs: ids, valid, first tokens
+
+
+def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
+    """A (data, model) mesh over the first data * model devices (model defaults to all the rest).
+
+    Both axes are `AxisType.Auto`: shardings are placed on the inputs and XLA propagates them, so
+    the single-device code needs no sharding annotations in its types.
+    """
+    devices = jax.devices() if devices is None else devices
+    if model is None:
+        model = len(devices) // data
+    if data < 1 or model < 1 or data * model > len(devices):
+        raise ValueError(f"a {data} x {model} (data x model) mesh needs {data * model} devices, "
+                         f"{len(devices)} available")
+    return jax.make_mesh((data, model), (DATA, MODEL), axis_types=(AxisType.Auto,) * 2, devices=devices)
+
+
+def _path_keys(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", k)) for k in path)
+
+
+def _spec(path, leaf, mesh: Mesh) -> P:
+    """The rule for (top-level subtree, leaf name); replicated where no rule applies or a split
+    dimension does not divide evenly over its axis."""
+    keys = _path_keys(path)
+    spec = PARAM_RULES.get((keys[0], keys[-1]), P())
+    if len(spec) > leaf.ndim:
+        return P()
+    for size, axis in zip(leaf.shape, spec):
+        if axis is not None and size % mesh.shape[axis]:
+            return P()
+    return spec
+
+
+def param_specs(params: dict, mesh: Mesh) -> dict:
+    """The PartitionSpec of every parameter (same tree structure as params)."""
+    return jax.tree_util.tree_map_with_path(lambda path, leaf: _spec(path, leaf, mesh), params)
+
+
+def shard_params(params: dict, mesh: Mesh) -> dict:
+    """params placed on the mesh by `param_specs`."""
+    specs = param_specs(params, mesh)
+    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)
+
+
+def check_mesh(mesh: Mesh, num_kv_heads: int | None = None, batch: int | None = None) -> None:
+    """KV heads must split evenly over "model" and rows over "data" (compression is per row and head)."""
+    if set(mesh.axis_names) != {DATA, MODEL}:
+        raise ValueError(f"mesh axes must be {(DATA, MODEL)} (see make_mesh), got {mesh.axis_names}")
+    if num_kv_heads is not None and num_kv_heads % mesh.shape[MODEL]:
+        raise ValueError(f"{num_kv_heads} KV heads do not split over a '{MODEL}' axis of size "
+                         f"{mesh.shape[MODEL]}")
+    if batch is not None and batch % mesh.shape[DATA]:
+        raise ValueError(f"a batch of {batch} rows does not split over a '{DATA}' axis of size "
+                         f"{mesh.shape[DATA]}; pad the batch to a multiple")
+
+
+def place_rows(mesh: Mesh, *arrays) -> list[jax.Array]:
+    """[B, ...] host arrays split over "data" (rows), replicated over "model"."""
+    check_mesh(mesh, batch=arrays[0].shape[0])
+    return [jax.device_put(a, NamedSharding(mesh, ROWS)) for a in arrays]
+
+
+def constrain_cache(cache: KVCache) -> KVCache:
+    """Pin the cache to [.., B over "data", Hkv over "model", ..] when traced under `jax.set_mesh`
+    with a (data, model) mesh; unchanged otherwise (one device: no-op, identical numerics)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or set(mesh.axis_names) != {DATA, MODEL}:
+        return cache
+    return jax.tree.map(jax.lax.with_sharding_constraint, cache, CACHE_SPECS)

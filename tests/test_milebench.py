@@ -1,0 +1,322 @@
+"""MileBench harness: scoring as MileBench's evaluator, prompts and left truncation, resume, the CLI end to end.
+
+The fixture (tests/fixtures/milebench/) is in MileBench's released layout: ActionLocalization (multi-choice,
+with an -adv file), CLEVR-Change (adjacent images), MMCoQA ({table#k}), TextNeedleInAHaystack, GPR1200
+(options without letters). The model is a tiny random HF LLaVA (25 image tokens per image) with a
+character-level tokenizer, so token counts are character counts.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+
+import pytest
+
+from conftest import IMAGE_TOKEN, tiny_llava
+from lookm_jax.eval import milebench as mb
+from lookm_jax.eval.milebench_scoring import (choice_letters, match_choice, multi_choice_correct, needle_correct,
+                                              normalize, rouge_l, score, substring_correct)
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "milebench")
+
+
+# ---- scoring ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, expected", [
+    ("The Answer: (B).", "the answer: b"),  # "(" and ")" touch no space: replaced by spaces, then stripped
+    ("x - y", "x  y"),  # a punctuation mark next to a space is deleted, not replaced
+    ("1,000 apples!", "1000 apples"),  # a digit,digit group: every mark is deleted
+    ("He paid 3.5 dollars.", "he paid 3.5 dollars"),  # periods before a digit survive
+    ("'\"Quoted\"'", "quoted"),
+    ("a\tb\nc", "a b c"),
+    ("." * 40, "." * 8),  # MileBench passes re.UNICODE (32) as the count: 32 periods at most are removed
+])
+def test_normalize_like_milebench(text, expected):
+    assert normalize(text) == expected
+
+
+def test_needle_whole_word_and_mmcoqa_substring():
+    assert needle_correct("The magic number is 4821.", "4821")
+    assert not needle_correct("The magic number is 48210.", "4821")  # a word, not a substring
+    assert substring_correct("It was France, in 1998.", "France")
+    assert substring_correct("Frances", "France") and not needle_correct("Frances", "France")
+    assert score("TextNeedleInAHaystack", "open-ended", "48210", "4821", None) == 0.0
+    assert score("MMCoQA", "open-ended", "48210", "4821", None) == 1.0
+
+
+@pytest.mark.parametrize("prediction, answer, expected", [
+    ("the cat sat on the mat", "the cat is on the mat", 0.8),  # LCS {the, cat, on, mat}: P = R = 4/5
+    ("a a a b", "a b", 1.0),  # counts are of distinct words (rouge 1.0.1, exclusive): P = 2/2, R = 2/2
+    ("x y. z w", "y z", 2 * 0.5 / 1.5),  # union LCS over sentences {y} | {z}: R = 2/2, P = 2/4
+    ("b a", "a b", 2 * 0.5 * 0.5 / 1.0),  # one word in common order: P = R = 1/2
+    ("q r", "a b", 0.0),
+    ("", "a b", 0.0),
+    ("a b c", "a b c", 1.0),
+])
+def test_rouge_l_hand_computed(prediction, answer, expected):
+    assert rouge_l(prediction, answer) == pytest.approx(expected, abs=1e-7)  # F carries a 1e-8 in the denominator
+
+
+def test_open_ended_scores_rouge_of_normalized_text():
+    assert score("IEdit", "open-ended", "The cat sat on the mat!", "the cat is on the mat.", None) == pytest.approx(0.8)
+
+
+def test_multi_choice_matching_order_and_quirks():
+    options = {"A": "red car", "B": "blue car", "C": "car"}
+    assert match_choice("c car or b blue car", options) == "C"  # 1. "letter option", leftmost first
+    assert match_choice("i think the blue car", options) == "B"  # 2. option text, spaces removed
+    assert match_choice("b", options) == "B"  # 3. a bare letter
+    assert match_choice("a or b", options) == "AB"  # 4. the option letters of the text, concatenated
+    assert match_choice("", options) == "C"  # MileBench maps an empty prediction to "C"
+    choices = ["red car", "blue car", "car"]
+    assert multi_choice_correct("B. Blue car", "blue car", choices)
+    assert multi_choice_correct("(B)", "blue car", choices)
+    assert not multi_choice_correct("a or b", "blue car", choices)
+    assert multi_choice_correct("", "car", choices)
+    # Step 2 compares against the regex-escaped option: an option with "." never matches there.
+    assert not multi_choice_correct("it weighs 3.5kg", "3.5 kg", ["1 kg", "3.5 kg"])
+    assert multi_choice_correct("b 3.5 kg", "3.5 kg", ["1 kg", "3.5 kg"])
+    with pytest.raises(ValueError, match="not among the choices"):
+        multi_choice_correct("a", "green", choices)
+    assert choice_letters(28)[25:] == ["Z", "[", "\\"]  # past Z as chr(65 + i), as MileBench (GPR1200)
+
+
+def test_unknown_question_type_is_refused():
+    with pytest.raises(ValueError, match="question_type"):
+        score("WebQA", "yes-no", "a", "a", None)
+
+
+# ---- data and prompts -------------------------------------------------------------------------------
+def test_prompts_follow_milebench_layout():
+    found = mb.find_datasets(FIXTURE)
+    assert found == ["ActionLocalization", "CLEVR-Change", "MMCoQA", "TextNeedleInAHaystack", "GPR1200"]  # paper order
+    al = mb.load_dataset(FIXTURE, "ActionLocalization")
+    assert [s.sample_id for s in al] == [0, 1] and al[0].images[0].endswith("ActionLocalization/images/a0.png")
+    assert mb.render(al[0].instruction, al[0].texts) == (
+        "Given a series of video frames, answer the question about the action.\n"
+        "<image>\n<image>\nWhen does the person open the door?\n"  # adjacent images get newlines
+        "Choice list: \nA. At the start\nB. In the middle\nC. At the end\nYour answer is: ")
+    assert mb.render(al[1].instruction, al[1].texts).startswith("Watch the frames and choose the right time span.\n")
+    gpr = mb.load_dataset(FIXTURE, "GPR1200")[0]
+    assert mb.render(gpr.instruction, gpr.texts).endswith(
+        "Query: <image> Candidates: <image> <image>\nChoice list: \nThe first candidate\nThe second candidate\n"
+        "Your answer is: ")
+    mmcoqa = mb.load_dataset(FIXTURE, "MMCoQA")[0]
+    assert mmcoqa.texts == ("Table: ", " Q: Who won the 1998 final? A:") and mmcoqa.choices is None
+    adv = mb.load_dataset(FIXTURE, "ActionLocalization", adv=True)
+    assert adv[0].choices == ("At the end", "In the middle", "At the start")
+    assert mb.find_datasets(FIXTURE, adv=True) == ["ActionLocalization"]
+    assert len(mb.load_dataset(FIXTURE, "ActionLocalization", limit=1)) == 1
+
+
+def _edit_copy(tmp_path, name, edit):
+    root = tmp_path / "mb"
+    shutil.copytree(os.path.join(FIXTURE, name), root / name)
+    path = root / name / f"{name}.json"
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    return str(root)
+
+
+@pytest.mark.parametrize("name, edit, error, match", [
+    ("MMCoQA", lambda d: d["meta_data"].update(question_type="yes-no"), ValueError, "question_type"),
+    ("MMCoQA", lambda d: d["data"][0]["task_instance"]["images_path"].append("t0.png"), ValueError,
+     "1 image placeholders in the context for 2 images"),
+    ("MMCoQA", lambda d: d["data"][0]["task_instance"].update(images_path=["missing.png"]), FileNotFoundError,
+     "missing.png not found"),
+    ("MMCoQA", lambda d: d["data"][0].update(task_instruction_id=3), ValueError, "task_instruction_id 3"),
+    ("MMCoQA", lambda d: d["data"][0].pop("response"), ValueError, "lacks \\['response'\\]"),
+    ("ActionLocalization", lambda d: d["data"][0].update(response="Never"), ValueError, "not one of its choices"),
+    ("ActionLocalization", lambda d: d["data"][1].update(sample_id=0), ValueError, "duplicate sample_id"),
+])
+def test_bad_dataset_files_get_clear_errors(tmp_path, name, edit, error, match):
+    root = _edit_copy(tmp_path, name, edit)
+    with pytest.raises(error, match=match):
+        mb.load_dataset(root, name)
+
+
+def test_missing_root_or_dataset_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a folder"):
+        mb.find_datasets(str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="no MileBench datasets"):
+        mb.find_datasets(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="WebQA.json"):
+        mb.load_dataset(FIXTURE, "WebQA")
+
+
+# ---- the tiny model ---------------------------------------------------------------------------------
+def _char_tokenizer():
+    """Printable ASCII + newline, one token per character; "<image>" is the image token."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate([chr(c) for c in range(32, 127)] + ["\n", "[UNK]"])}
+    vocab["<image>"] = IMAGE_TOKEN
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_llava_milebench")
+    tiny_llava(folder)  # 30 px images in 6 px patches: 25 image tokens each
+    _char_tokenizer().save(str(folder / "tokenizer.json"))
+    (folder / "preprocessor_config.json").write_text(
+        json.dumps({"size": {"shortest_edge": 30}, "crop_size": {"height": 30, "width": 30}}))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder):
+    import lookm_jax
+
+    return lookm_jax.load(tiny_folder)
+
+
+def _as_text(model, ids) -> str:
+    """Ids back to text, each image's run of placeholder tokens as one "<image>"."""
+    tokens = [model.tokenizer.id_to_token(int(i)) for i in ids]
+    text = "".join(tokens)
+    return text.replace("<image>" * model.config.image_seq_length, "<image>")
+
+
+def test_left_truncation_keeps_instruction_and_question(tiny):
+    from lookm_jax.generate import PromptTooLongError
+
+    sample = mb.load_dataset(FIXTURE, "TextNeedleInAHaystack")[0]
+    n_image = tiny.config.image_seq_length
+    full_text = mb.render(sample.instruction, sample.texts)
+    full = mb.build_prompt(tiny, sample, 10_000)
+    assert not full.truncated and full.images == sample.images
+    assert full.input_ids.shape[1] == len(full_text) - 3 * len("<image>") + 3 * n_image
+    protected = len(mb.render(sample.instruction, sample.texts[-1:]))
+    head = sample.instruction + "\n"
+    context = full_text[len(head):]
+    for limit in [full.input_ids.shape[1] - 1, *range(protected, full.input_ids.shape[1], 9)]:
+        prompt = mb.build_prompt(tiny, sample, limit)
+        length = prompt.input_ids.shape[1]
+        text = _as_text(tiny, prompt.input_ids[0])
+        kept = text[len(head):]
+        assert prompt.truncated and length <= limit
+        assert text.startswith(head) and context.endswith(kept) and kept.endswith(sample.texts[-1])
+        assert kept.count("<image>") == len(prompt.images) and prompt.images == sample.images[3 - len(prompt.images):]
+        assert (prompt.input_ids[0] == IMAGE_TOKEN).sum() == n_image * len(prompt.images)
+        # The longest suffix: short of the limit only when the next piece was a whole image.
+        assert limit - length < n_image and (length == limit or context[: len(context) - len(kept)].endswith("<image>"))
+    assert len(mb.build_prompt(tiny, sample, protected).images) == 0
+    with pytest.raises(PromptTooLongError, match="the instruction and question alone"):
+        mb.build_prompt(tiny, sample, protected - 1)
+
+
+# ---- the command, end to end ------------------------------------------------------------------------
+def _cli(tiny_folder, out, *extra):
+    from lookm_jax.cli import main
+
+    return main(["eval", "milebench", FIXTURE, "--model", tiny_folder, "--datasets", "ActionLocalization",
+                 "--method", "h2o", "--budget", "0.5", "--max-new-tokens", "3", "--output", str(out), *extra])
+
+
+class Interrupted(Exception):
+    """Stands for Ctrl-C or a crash in the middle of a run (pytest reserves KeyboardInterrupt)."""
+
+
+def test_cli_end_to_end_with_interruption_and_resume(tiny_folder, tmp_path, monkeypatch, capsys):
+    from lookm_jax.model import Model
+
+    out = tmp_path / "out"
+    calls, interrupt_at = [], [2]  # the first run dies at its second sample
+    real_run = Model.run
+
+    def interrupted_run(self, *args, **kwargs):
+        calls.append(1)
+        if interrupt_at and len(calls) == interrupt_at[0]:
+            interrupt_at.clear()
+            raise Interrupted
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(Model, "run", interrupted_run)
+    with pytest.raises(Interrupted):
+        _cli(tiny_folder, out)
+    lines = (out / mb.PREDICTIONS).read_text().splitlines()
+    assert len(lines) == 1 and not (out / mb.GROUPS_CSV).exists()
+    first = json.loads(lines[0])
+    assert first["dataset"] == "ActionLocalization" and first["sample_id"] == 0
+    assert first["method"] == "H2O(alpha_recent=0.25, alpha_important=0.25)" and first["images_kept"] == 2
+    assert first["image_tokens"] == 50 and first["score"] == score(
+        "ActionLocalization", "multi-choice", first["prediction"], "In the middle", first["choices"])
+
+    calls.clear()
+    assert _cli(tiny_folder, out) == 0
+    assert len(calls) == 1  # only the sample the interruption lost
+    records = [json.loads(line) for line in (out / mb.PREDICTIONS).read_text().splitlines()]
+    assert records[0] == first and [r["sample_id"] for r in records] == [0, 1]
+    captured = capsys.readouterr()
+    assert "resuming: 1 of 2 samples" in captured.out and "sample/s" in captured.err  # the tqdm bar
+    assert "MileBench by group" in captured.out
+
+    # A kill in the middle of a write leaves half a line: the rerun drops it and redoes that sample.
+    text = (out / mb.PREDICTIONS).read_text()
+    (out / mb.PREDICTIONS).write_text(text[: len(text) - 40])
+    calls.clear()
+    assert _cli(tiny_folder, out) == 0 and len(calls) == 1
+    assert "incomplete last line" in capsys.readouterr().out
+    assert [json.loads(line)["sample_id"] for line in (out / mb.PREDICTIONS).read_text().splitlines()] == [0, 1]
+
+    # The adversarial file is another config (resume never mixes them); same shapes, so no new compile.
+    calls.clear()
+    assert _cli(tiny_folder, out, "--adv") == 0 and len(calls) == 2
+    with open(out / mb.GROUPS_CSV, newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert reader.fieldnames == [*mb.CONFIG_FIELDS, *mb.GROUPS, "overall", "samples"] and len(rows) == 2
+    records = [json.loads(line) for line in (out / mb.PREDICTIONS).read_text().splitlines()]
+    for row, adv in zip(rows, ("False", "True")):
+        expected = 100 * sum(r["score"] for r in records if r["adv"] == (adv == "True")) / 2
+        assert row["adv"] == adv and float(row["T-1"]) == pytest.approx(expected, abs=0.01)
+        assert float(row["overall"]) == float(row["T-1"]) and row["S-1"] == "" and row["samples"] == "2"
+    assert not any(p.name.endswith(".tmp") for p in out.iterdir())
+
+
+def test_cli_bad_input_writes_nothing(tmp_path, capsys):
+    from lookm_jax.cli import main
+
+    out = tmp_path / "out"
+    assert main(["eval", "milebench", str(tmp_path / "nowhere"), "--output", str(out)]) == 2
+    assert "lookm: error:" in capsys.readouterr().err and not out.exists()
+    assert main(["eval", "milebench", FIXTURE, "--limit", "0", "--output", str(out)]) == 2
+    assert "--limit" in capsys.readouterr().err and not out.exists()
+
+
+# ---- tables -----------------------------------------------------------------------------------------
+def _record(method, dataset, sample_id, value):
+    return {"model": "m", "method": method, "dtype": "float32", "max_new_tokens": 8, "max_prompt_tokens": 64,
+            "adv": False, "dataset": dataset, "sample_id": sample_id, "score": value}
+
+
+def test_summary_groups_and_overall(tmp_path):
+    records = [_record("Full()", "ActionLocalization", 0, 1.0), _record("Full()", "ActionLocalization", 1, 0.0),
+               _record("Full()", "ActionPrediction", 0, 1.0), _record("Full()", "GPR1200", 0, 0.0),
+               _record("Full()", "MyOwnSet", 0, 1.0), _record("LookM()", "WebQA", 0, 0.25)]
+    full, lookm = mb.summarize(records)
+    assert full.datasets == {"ActionLocalization": 50.0, "ActionPrediction": 100.0, "GPR1200": 0.0, "MyOwnSet": 100.0}
+    assert full.groups == {"T-1": 75.0, "IR": 0.0} and full.overall == 37.5 and full.samples == 5
+    assert lookm.groups == {"S-1": 25.0} and lookm.overall == 25.0
+    header, lines = mb.table([full, lookm], "datasets")
+    assert header[len(mb.CONFIG_FIELDS):] == ["ActionLocalization", "ActionPrediction", "WebQA", "GPR1200",
+                                              "MyOwnSet", "samples"]
+    assert lines[1][len(mb.CONFIG_FIELDS):] == [None, None, 25.0, None, None, 1]
+    path = str(tmp_path / "t.csv")
+    mb.write_csv(path, header, lines)
+    assert open(path).read().splitlines()[2].endswith(",,,25.0,,,1")
+
+
+def test_corrupt_predictions_file_is_named(tmp_path):
+    path = tmp_path / mb.PREDICTIONS
+    path.write_text(json.dumps(_record("Full()", "WebQA", 0, 1.0)) + "\n{oops\n")
+    with pytest.raises(ValueError, match="line 2: not a JSON record"):
+        mb.read_predictions(str(path))

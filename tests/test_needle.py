@@ -1,0 +1,239 @@
+"""Prefill once / compress per method (generate.py, Model.generate_methods) and the needle benchmark."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lookm_jax
+from conftest import IMAGE_TOKEN, image_ids
+from lookm_jax import generate as gen, get_method
+from lookm_jax.eval import needle
+from lookm_jax.methods import Method
+from lookm_jax.scoring import STATISTICS
+
+# Every kind of input a method reads: the last W = M queries (SnapKV as LOOK-M ran it), two
+# statistics (RoCo), sums + merging without text-prior (LOOK-M). Equal capacity (24 slots).
+METHODS = {
+    "snapkv-w=M": get_method("snapkv", budget=0.4, window=None, kernel_size=5, pooling="avg"),
+    "roco": get_method("roco", budget=0.4, std_weight=0.5),
+    "lookm-weighted-no-prior": get_method("lookm", budget=0.4, merge="weighted", text_prior=False),
+}
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def ragged_batch(tiny):
+    """Two right-padded rows with 2 and 1 images of 25 tokens: L = 59 and 33, bucket 64."""
+    rows = [image_ids(tiny.config.image_seq_length, [3, 4, "img", 5, 6, 7, "img", 8, 9, 10, 11]),
+            image_ids(tiny.config.image_seq_length, [12, "img", 13, 14, 15, 16, 17, 18])]
+    ids = np.zeros((2, 59), np.int32)
+    mask = np.zeros((2, 59), bool)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)], mask[i, :len(row)] = row, True
+    pixels = np.random.default_rng(0).standard_normal((3, 3, 30, 30)).astype(np.float32)
+    return ids, pixels, mask
+
+
+@pytest.fixture(scope="module")
+def prefilled(tiny, ragged_batch):
+    """(prefill args, `prefill_states` of the ragged batch), with what METHODS read: both statistics,
+    the last W = floor(0.2 * 64) = 12 queries."""
+    ids, pixels, mask = ragged_batch
+    packed, valid = gen.pack_prompts(ids, mask)
+    args = (tiny.config, tiny.params, jnp.asarray(packed), jnp.asarray(valid), jnp.asarray(pixels),
+            jax.random.key(0))
+    assert max(gen.query_window(m, 64) for m in METHODS.values()) == 12
+    return args, gen.prefill_states(*args, statistics=STATISTICS, window=12, sampling=gen.Sampling())
+
+
+def test_one_prefill_gives_every_method_the_cache_and_tokens_of_run(tiny, ragged_batch, prefilled):
+    """On ragged rows with images, one shared prefill gives each method the cache that
+    `Model.run(..., method=m)` decodes from (same kept positions, keys, values, cursor, first token),
+    and `Model.generate_methods` the same greedy tokens as `Model.run`, with the methods decoded
+    together in chunks of two methods (4 rows) and one."""
+    ids, pixels, mask = ragged_batch
+    args, prefilled = prefilled
+    chex.assert_shape(prefilled.keys, (2, 2, 2, 64, 12))  # [N, B, Hkv, L, D]
+    shared_tokens = tiny.generate_methods(ids, pixels, mask, max_new_tokens=NEW, methods=list(METHODS.values()),
+                                          max_decode_rows=4)
+    for (name, method), tokens in zip(METHODS.items(), shared_tokens):
+        np.testing.assert_array_equal(tokens, tiny.run(ids, pixels, mask, NEW, method=method).tokens, err_msg=name)
+        compiled_prefill, _ = next(v for k, v in tiny._compiled.items() if k[2] == method and k[3] == NEW)
+        first, cache, _ = compiled_prefill(*args[1:])  # the integrated path's own program
+        shared = gen.compress_prefilled(prefilled, method=method, max_new_tokens=NEW)
+        chex.assert_trees_all_equal_shapes_and_dtypes(shared, cache)
+        np.testing.assert_array_equal(prefilled.first, first, err_msg=name)
+        np.testing.assert_array_equal(shared.positions, cache.positions, err_msg=name)
+        np.testing.assert_allclose(shared.keys, cache.keys, rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(shared.values, cache.values, rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_array_equal(shared.cursor, cache.cursor)
+        np.testing.assert_array_equal(shared.next_position, cache.next_position)
+        # The budget really evicts: row 0 keeps floor(.2 * 59) * 2 = 22 of its 59 tokens.
+        np.testing.assert_array_equal((shared.positions[:, 0] >= 0).sum(-1), 22)
+
+
+def test_compress_prefilled_refuses_what_the_prefill_did_not_keep(prefilled):
+    _, prefilled = prefilled
+    sums_only = prefilled.replace(stats={"sums": prefilled.stats["sums"]})
+    with pytest.raises(ValueError, match="needs attention statistics"):
+        gen.compress_prefilled(sums_only, method=METHODS["roco"], max_new_tokens=NEW)
+    with pytest.raises(ValueError, match="reads the last 32 queries"):
+        gen.compress_prefilled(prefilled, method=get_method("snapkv", budget=0.4), max_new_tokens=NEW)
+
+    class Unknown(Method):
+        def capacity(self, bucket_len):
+            return bucket_len
+
+        def __call__(self, queries, keys, values, is_image, valid, stats=None):
+            raise AssertionError("never called")
+
+    with pytest.raises(ValueError, match="Unknown is not known"):
+        gen.query_window(Unknown(), 64)
+
+
+def test_concat_caches_stacks_rows_and_refuses_unequal_capacities(prefilled):
+    _, prefilled = prefilled
+    a = gen.compress_prefilled(prefilled, method=METHODS["roco"], max_new_tokens=NEW)
+    b = gen.compress_prefilled(prefilled, method=get_method("h2o", budget=0.2), max_new_tokens=NEW)
+    with pytest.raises(ValueError, match="equal capacity"):
+        gen.concat_caches([a, b])
+    both = gen.concat_caches([a, a])
+    chex.assert_shape(both.positions, (2, 4) + a.positions.shape[2:])
+    np.testing.assert_array_equal(both.positions[:, 2:], a.positions)
+    np.testing.assert_array_equal(both.next_position, np.tile(a.next_position, 2))
+
+
+# ---- needle samples -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def demo():
+    return lookm_jax.load_default()
+
+
+@pytest.mark.parametrize("length", [1024, 2048])
+def test_samples_fit_their_length_with_images_over_70_percent(demo, length):
+    samples = needle.make_samples(demo.tokenizer, length, 5, seed=3, image_seq_length=256)
+    assert [s.depth for s in samples] == list(needle.DEFAULT_DEPTHS)
+    for s in samples:
+        ids = demo.encode_chat(s.prompt)[0]
+        is_image = ids == demo.config.image_token_id
+        assert length - 48 <= len(ids) <= length  # never spills into the next bucket
+        assert is_image.mean() >= 0.7 and is_image.sum() == 256 * s.num_images == 256 * s.context.count("<image>")
+        word = re.fullmatch(r"What is the special magic number for (\w+)\? .*", s.question).group(1)
+        assert s.context.count("special magic number") == 1 and re.fullmatch(r"\d{4}", s.answer)
+        assert f"The special magic number for {word} is {s.answer}." in s.context
+        assert s.prompt.endswith(s.question) and s.prompt.startswith(s.context)
+        # The needle sits at about `depth` of the context (its tokens, images included): within half
+        # an image, as it goes to the sentence boundary nearest the target.
+        key = demo.tokenizer.encode(" special magic number for", add_special_tokens=False).ids
+        found = [i for i in range(len(ids)) if list(ids[i:i + len(key)]) == key]  # needle, question
+        prefix = 24  # the chat template's system turn and "<|im_start|>user\n"
+        assert len(found) == 2
+        assert abs((found[0] - prefix) / (found[1] - prefix) - s.depth) < 128 / length + 0.02, (found, s.depth)
+
+
+def test_samples_are_deterministic_and_text_only_has_no_images(demo):
+    a = needle.make_samples(demo.tokenizer, 1024, 3, seed=0, image_seq_length=256)
+    assert a == needle.make_samples(demo.tokenizer, 1024, 3, seed=0, image_seq_length=256)
+    assert a != needle.make_samples(demo.tokenizer, 1024, 3, seed=1, image_seq_length=256)
+    text = needle.make_samples(demo.tokenizer, 1024, 3, seed=0)
+    assert all(s.num_images == 0 and "<image>" not in s.prompt for s in text)
+    assert all(1024 - 48 <= demo.encode_chat(s.prompt).shape[1] <= 1024 for s in text)
+    with pytest.raises(ValueError, match="leaves .* text tokens"):
+        needle.make_samples(demo.tokenizer, 300, 1, seed=0, image_seq_length=256)
+    with pytest.raises(ValueError, match="depths"):
+        needle.make_samples(demo.tokenizer, 1024, 1, seed=0, depths=(1.5,))
+
+
+@pytest.mark.parametrize("generated,correct", [
+    ("4821", True), ("The special magic number for lotus is 4821.", True), ("4,821", False),
+    ("48210", False), ("14821", False), ("482", False), ("", False), ("1234 and 4821", True)])
+def test_exact_match_needs_the_four_digits_as_a_whole_number(generated, correct):
+    assert needle.is_correct("4821", generated) is correct
+
+
+def test_sweep_configs_cover_every_method_and_lookm_variant():
+    configs = needle.sweep_configs(lookm_jax.METHODS, needle.DEFAULT_BUDGETS)
+    assert len(configs) == 1 + 4 * (4 + 8) and configs[0].label == "full"
+    labels = {c.label for c in configs}
+    assert {"H2O", "SnapKV", "RoCo", "StreamingLLM", "LOOK-M (text-prior, pivotal)",
+            "LOOK-M (no text-prior, no merge)"} <= labels and len(labels) == 1 + 4 + 8
+    lookm = configs[-1].build()
+    assert (lookm.text_prior, lookm.merge, lookm.alpha_recent) == (False, "weighted", 0.25)
+    with pytest.raises(ValueError, match="unknown methods"):
+        needle.sweep_configs(["h2o", "bogus"], [0.1])
+    with pytest.raises(ValueError, match="budgets"):
+        needle.sweep_configs(["h2o"], [0.0])
+
+
+# ---- the sweep on the tiny model ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tiny):
+    """The tiny LLaVA with a word-level tokenizer over the haystack's words (digits one by one)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = sorted({w for part in needle._SUBJECTS + needle._VERBS + needle._OBJECTS + needle._PLACES
+                    + needle._TIMES + needle.NEEDLE_WORDS for w in part.lower().split()}
+                   | set("The What special magic number for is . ? Answer with the only".split())
+                   | set("0123456789"))
+    vocab = {"[UNK]": 0} | {w: i + 1 for i, w in enumerate(words)} | {"<image>": IMAGE_TOKEN}
+    assert len(vocab) < IMAGE_TOKEN
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(),
+                                                       pre_tokenizers.Digits(individual_digits=True)])
+    tokenizer.decoder = decoders.WordPiece()  # joins tokens with spaces
+    tokenizer.add_special_tokens(["<image>"])
+    return dataclasses.replace(tiny, tokenizer=tokenizer, _compiled={})
+
+
+def test_sweep_rows_match_run_and_a_rerun_resumes(tiny_with_tokenizer, tmp_path):
+    model = tiny_with_tokenizer
+    configs = needle.sweep_configs(["h2o"], [0.3])
+    jsonl = str(tmp_path / "rows.jsonl")
+    kwargs = dict(image_fraction=0.3, batch_size=2, max_new_tokens=4)
+    rows = needle.run_sweep(model, configs, [200], 4, 0, jsonl, **kwargs)
+    assert len(rows) == 2 * 4 and {r["images"] for r in rows} == {2}
+    assert all(r["fidelity"] == 1.0 for r in rows if r["method"] == "full")
+    # Sample 3 with H2O, independently through Model.run.
+    sample = needle.make_samples(model.tokenizer, 200, 4, 0, image_seq_length=25, image_fraction=0.3)[3]
+    ids = model.encode_chat(sample.prompt)
+    pixels = needle._pixel_values(model, 2)
+    h2o = model.run(ids, pixels, max_new_tokens=4, method=configs[1].build()).tokens[0]
+    full = model.run(ids, pixels, max_new_tokens=4).tokens[0]
+    row = next(r for r in rows if r["sample"] == 3 and r["label"] == "H2O")
+    assert row["output"] == model.decode_text(h2o) and row["fidelity"] == np.mean(h2o == full)
+    assert row["correct"] == needle.is_correct(sample.answer, row["output"]) and row["prompt_tokens"] == ids.shape[1]
+    # A rerun appends nothing; a row cut short by an interrupted write is redone alone.
+    lines = open(jsonl).read().splitlines()
+    assert needle.run_sweep(model, configs, [200], 4, 0, jsonl, **kwargs) == rows
+    with open(jsonl, "w") as f:
+        f.write("\n".join(lines[:-1]) + "\n" + lines[-1][:20])
+    again = needle.run_sweep(model, configs, [200], 4, 0, jsonl, **kwargs)
+    assert open(jsonl).read().splitlines() == lines and again == rows
+    # The summary CSV, from the command's report mode: exactly the agreed columns, a row per config and length.
+    from lookm_jax.cli import main
+
+    path = str(tmp_path / "sweep.csv")
+    assert main(["eval", "needle", "sweep", "--lengths", "200", "--samples", "4", "--methods", "h2o",
+                 "--budgets", "0.3", "--jsonl", jsonl, "--output", path, "--report-only"]) == 0
+    with open(path) as f:
+        table = list(csv.DictReader(f))
+    assert tuple(table[0]) == needle.CSV_COLUMNS and len(table) == 2
+    assert {(r["label"], r["budget"], r["samples"]) for r in table} == {("full", "1.0", "4"), ("H2O", "0.3", "4")}
+    assert float(next(r for r in table if r["label"] == "full")["fidelity"]) == 1.0
+
+
+def test_cli_refuses_unknown_methods_before_loading_anything(capsys):
+    from lookm_jax.cli import main
+
+    assert main(["eval", "needle", "sweep", "--methods", "h2o", "bogus"]) == 2
+    assert "unknown methods ['bogus']" in capsys.readouterr().err

@@ -1,0 +1,147 @@
+"""`lookm plot sweep` / `lookm plot attention` and the per-layer attention they draw from."""
+
+from __future__ import annotations
+
+import csv
+import os
+import struct
+
+import chex
+import numpy as np
+import pytest
+import torch
+
+import lookm_jax
+from conftest import image_ids, tiny_llava
+from lookm_jax import cli, plots
+from lookm_jax.analysis import attention_received, modality_summary
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk; fails on anything that is not a PNG."""
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == PNG_SIGNATURE and head[12:16] == b"IHDR", f"{path} is not a PNG"
+    return struct.unpack(">II", head[16:24])
+
+
+def hf_attention_received(hf, ids, pixels) -> np.ndarray:
+    """Independent reference: HF eager attention probabilities [B, H, L, L] of every layer,
+    summed over queries and averaged over heads in float64 -> [N, L]."""
+    hf.set_attn_implementation("eager")
+    with torch.no_grad():
+        out = hf(input_ids=torch.as_tensor(ids, dtype=torch.long), pixel_values=torch.as_tensor(pixels),
+                 output_attentions=True)
+    return np.stack([a[0].double().numpy().sum(axis=1).mean(axis=0) for a in out.attentions])
+
+
+def test_attention_received_matches_hf_eager_attention(tmp_path, rng):
+    hf = tiny_llava(tmp_path, heads=4, kv_heads=2, layers=3)  # GQA, 2 query heads per KV head
+    model = lookm_jax.load(str(tmp_path))
+    per_image = model.config.image_seq_length  # 25
+    segments = [3, 17]
+    for i in range(11):  # 11 images: 300 tokens, two query blocks of the prefill attention, bucket 384
+        segments += ["img", 20 + i]
+    ids = image_ids(per_image, segments + [40, 41, 42])[None]
+    pixels = rng.standard_normal((11, 3, 30, 30)).astype(np.float32)
+    ours = attention_received(model, ids, pixels)
+    chex.assert_shape(ours, (3, ids.shape[1]))
+    chex.assert_type(ours, np.float32)
+    np.testing.assert_allclose(ours, hf_attention_received(hf, ids, pixels), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(ours.sum(axis=1), ids.shape[1], rtol=1e-5)  # every softmax row sums to 1
+
+
+def test_attention_received_takes_one_prompt(tmp_path):
+    tiny_llava(tmp_path)
+    model = lookm_jax.load(str(tmp_path))
+    with pytest.raises(ValueError, match="one prompt"):
+        attention_received(model, np.ones((2, 8), np.int32))
+
+
+def test_modality_summary_against_direct_sums():
+    received = np.array([[4.0, 1.0, 2.0, 1.0], [1.0, 2.0, 0.5, 0.5]])  # [N=2, L=4]
+    is_image = np.array([False, True, True, False])
+    s = modality_summary(received, is_image)
+    np.testing.assert_allclose(s["image_share"], [3 / 8, 2.5 / 4])
+    np.testing.assert_allclose(s["text_share"], [1 / 8, 0.5 / 4])
+    np.testing.assert_allclose(s["first_share"], [4 / 8, 1 / 4])
+    np.testing.assert_allclose(s["image_per_query"], [(1 / 3 + 2 / 2) / 2, (2 / 3 + 0.5 / 2) / 2])
+    np.testing.assert_allclose(s["text_per_query"], [1.0, 0.5])
+    assert s["image_token_share"] == 0.5
+
+
+def write_sweep(path, rng, lengths=(1024, 2048), columns=plots.SWEEP_COLUMNS):
+    """A sweep CSV of random metrics: full cache + three configurations x four budgets per length."""
+    configs = [("H2O", "h2o", "", ""), ("LOOK-M (text-prior, pivotal)", "lookm", "True", "pivotal"),
+               ("StreamingLLM", "streamingllm", "", "")]
+    rows = []
+    for length in lengths:
+        rows.append(dict(label="full cache", method="full", text_prior="", merge="", budget=1.0, length=length))
+        for label, method, text_prior, merge in configs:
+            for budget in (0.05, 0.1, 0.2, 0.5):
+                rows.append(dict(label=label, method=method, text_prior=text_prior, merge=merge, budget=budget,
+                                 length=length))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**row, "samples": 50, "accuracy": rng.uniform(), "fidelity": rng.uniform()})
+
+
+@pytest.mark.parametrize("metric", plots.METRICS)
+def test_plot_sweep_writes_a_png_of_the_expected_size(tmp_path, rng, metric, capsys):
+    results = tmp_path / "sweep.csv"
+    write_sweep(results, rng, lengths=(1024, 2048, 4096))
+    assert cli.main(["plot", "sweep", str(results), "--metric", metric]) == 0
+    out = tmp_path / ("sweep.png" if metric == "accuracy" else "sweep_fidelity.png")
+    width, height = plots.sweep_figsize(3)
+    assert png_size(out) == (round(width * plots.DPI), round(height * plots.DPI))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # an ordinary new file, not a private temp file
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["sweep.csv", out.name])
+    assert "4 configurations, lengths 1024, 2048, 4096" in capsys.readouterr().out
+
+
+def test_plot_sweep_refuses_missing_columns_and_writes_nothing(tmp_path, rng, capsys):
+    results = tmp_path / "sweep.csv"
+    write_sweep(results, rng, columns=[c for c in plots.SWEEP_COLUMNS if c not in ("fidelity", "budget")])
+    out = tmp_path / "out.png"
+    assert cli.main(["plot", "sweep", str(results), "--output", str(out)]) == 2
+    assert "missing column(s) budget, fidelity" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [results]
+
+
+@pytest.mark.parametrize("bad, message", [({"accuracy": "1.5"}, "accuracy 1.5 is outside [0, 1]"),
+                                          ({"budget": "n/a"}, "line 3: could not convert"),
+                                          ({"budget": "0"}, "budget 0.0 is outside (0, 1]")])
+def test_plot_sweep_refuses_bad_values(tmp_path, rng, bad, message, capsys):
+    results = tmp_path / "sweep.csv"
+    write_sweep(results, rng)
+    lines = results.read_text().splitlines()
+    row = dict(zip(plots.SWEEP_COLUMNS, lines[2].split(",")), **bad)  # line 3: the first non-full row
+    lines[2] = ",".join(row[c] for c in plots.SWEEP_COLUMNS)
+    results.write_text("\n".join(lines) + "\n")
+    assert cli.main(["plot", "sweep", str(results), "--output", str(tmp_path / "out.png")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out.png").exists()
+
+
+def test_plot_sweep_reports_a_missing_file(tmp_path, capsys):
+    assert cli.main(["plot", "sweep", str(tmp_path / "none.csv")]) == 2
+    assert "no sweep results at" in capsys.readouterr().err
+
+
+def test_plot_attention_on_the_demo_model(tmp_path, capsys):
+    out = tmp_path / "attention.png"
+    assert cli.main(["plot", "attention", "--image", cli.DEFAULT_IMAGES[1], "--prompt", "Describe it.",
+                     "--output", str(out)]) == 0
+    assert png_size(out) == tuple(round(x * plots.DPI) for x in plots.ATTENTION_INCHES)
+    printed = capsys.readouterr().out
+    assert "30 layers x" in printed and "(256 image," in printed
+    shares = [line.split("|") for line in printed.splitlines() if line.strip()[:1].isdigit()]
+    assert len(shares) == 30
+    for image, text, first in ((float(c) for c in row[1:4]) for row in shares):
+        assert image + text + first == pytest.approx(1.0, abs=2e-3)  # 3 decimals each
