@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import flax.struct
 import jax
@@ -166,12 +165,9 @@ class Prefilled:
 
 def query_window(method, bucket_len: int) -> int:
     """How many of a row's last valid queries `method` reads besides the attention statistics."""
-    from lookm_jax.methods import AttentionMethod, Full, SnapKV, StreamingLLM
-
-    if isinstance(method, SnapKV):
-        return method.window if method.window is not None else max(1, math.floor(method.alpha_recent * bucket_len))
-    if isinstance(method, (AttentionMethod, Full, StreamingLLM)):
-        return 0
+    window = method.queries_read(bucket_len)
+    if window is not None:
+        return window
     raise ValueError(f"{type(method).__name__} is not known to compress from a shared prefill "
                      "(it may read any query); run it with Model.run")
 

@@ -38,6 +38,11 @@ class Method(abc.ABC):
     @abc.abstractmethod
     def __call__(self, queries, keys, values, is_image, valid, stats=None) -> CompressedKV: ...
 
+    def queries_read(self, bucket_len: int) -> int | None:
+        """How many of each row's last valid queries the method reads (beyond ``stats``); None: it
+        may read any query. A shared prefill (``generate.prefill_states``) keeps only those."""
+        return None
+
 
 def floor_fraction(alpha: float, valid: jax.Array) -> jax.Array:
     """[B] int32 floor(alpha * L_b) of each row's valid length, exactly as Python's int(alpha * L).
@@ -90,6 +95,9 @@ class AttentionMethod(BudgetMethod):
         if missing:
             raise ValueError(f"{type(self).__name__} needs attention statistics {sorted(missing)}")
         return self.compress_from_stats(keys, values, is_image, valid, stats)
+
+    def queries_read(self, bucket_len: int) -> int:
+        return 0  # the statistics say all it needs
 
     @abc.abstractmethod
     def compress_from_stats(self, keys, values, is_image, valid, stats) -> CompressedKV:

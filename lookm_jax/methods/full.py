@@ -17,6 +17,9 @@ class Full(Method):
     def capacity(self, bucket_len: int) -> int:
         return bucket_len
 
+    def queries_read(self, bucket_len: int) -> int:
+        return 0
+
     def __call__(self, queries, keys, values, is_image, valid, stats=None) -> CompressedKV:
         b, h, length, _ = keys.shape
         mask = jnp.broadcast_to(valid[:, None, :], (b, h, length))  # [B, Hkv, L]

@@ -32,13 +32,15 @@ class SnapKV(BudgetMethod):
         if self.window is not None and self.window < 1:
             raise ValueError(f"window must be >= 1 or None, got {self.window}")
 
+    def queries_read(self, bucket_len: int) -> int:
+        """W, or with window=None the largest per-row M = floor(alpha_recent * L) for this bucket."""
+        return self.window if self.window is not None else max(1, math.floor(self.alpha_recent * bucket_len))
+
     def __call__(self, queries, keys, values, is_image, valid, stats=None) -> CompressedKV:
         m, n = self.budgets(valid)
         length = keys.shape[2]
-        if self.window is None:
-            window, max_window = m, max(1, math.floor(self.alpha_recent * length))
-        else:
-            window, max_window = self.window, self.window
+        window = m if self.window is None else self.window
+        max_window = self.queries_read(length)
         scores = window_scores(
             queries, keys, valid, valid & ~recent_mask(valid, m), window,
             max_window=max_window, kernel_size=self.kernel_size, pooling=self.pooling,

@@ -21,6 +21,9 @@ class StreamingLLM(BudgetMethod):
 
     n_sink: int = 4
 
+    def queries_read(self, bucket_len: int) -> int:
+        return 0
+
     def __call__(self, queries, keys, values, is_image, valid, stats=None) -> CompressedKV:
         m, n = self.budgets(valid)
         sinks = jnp.minimum(self.n_sink, m + n)
