@@ -237,8 +237,8 @@ class Model:
     def preprocess_images(self, images: Sequence) -> tuple[np.ndarray, list[int] | None]:
         """Image files or PIL images -> (pixel_values [units, C, H, W], tiles per image or None).
 
-        Uses the checkpoint's own preprocessor settings: the CLIP processor (with LLaVA's
-        pad-to-square when configured) or, for tiling architectures (InternVL), dynamic tiles; pass the
+        Uses the checkpoint's own preprocessor settings (the CLIP defaults at the tower's image size
+        when it has none): the CLIP processor (with LLaVA's pad-to-square when configured) or, for tiling architectures (InternVL), dynamic tiles; pass the
         tile counts to `encode_chat(..., image_tiles=...)`.
         """
         from PIL import Image
@@ -255,6 +255,9 @@ class Model:
             return preprocess_tiles(pictures, InternVLImageProcessorConfig.from_hf_dict(settings))
         from lookm_jax.models.image_processing import CLIPImageProcessorConfig, preprocess_images
 
+        if not settings:  # no preprocessor_config.json: the CLIP processor at the tower's own size
+            _, height, width = self.config.pixel_shape
+            settings = {"size": {"shortest_edge": height}, "crop_size": {"height": height, "width": width}}
         return preprocess_images(pictures, CLIPImageProcessorConfig.from_hf_dict(settings)), None
 
     # ---- text ---------------------------------------------------------------------------------

@@ -216,15 +216,9 @@ def _pixel_values(model, num_images: int) -> np.ndarray | None:
     """The bundled pictures, cycled, as [num_images, 3, H, W] (noise to the demo's untrained tower)."""
     if num_images == 0:
         return None
-    from PIL import Image
-
     from lookm_jax.cli import DEFAULT_IMAGES
-    from lookm_jax.models.image_processing import CLIPImageProcessorConfig, preprocess_images
 
-    _, height, width = model.config.pixel_shape
-    default = {"size": {"shortest_edge": height}, "crop_size": {"height": height, "width": width}}
-    processor = CLIPImageProcessorConfig.from_hf_dict(model.manifest.get("image_processor") or default)
-    pictures = preprocess_images([Image.open(p) for p in DEFAULT_IMAGES], processor)
+    pictures, _ = model.preprocess_images(DEFAULT_IMAGES)
     return pictures[np.arange(num_images) % len(pictures)]
 
 
