@@ -190,8 +190,8 @@ def main() -> None:
               f"{step_bytes / MIB:>13.0f} | "
               f"{bound:>12.1f} | {bound_full / bound:>13.2f}x | {100 * bound / row['decode_ms']:>9.0f}% | "
               f"{row['prefill_s']:>9.2f} | {row['prefill_s'] / full['prefill_s']:>6.2f}x | {row['compile_s']:>9.1f}")
-    print(f"\npeak RSS of one LOOK-M 20% prefill + scoring + compression (fresh process each; "
-          f"counter reset after load and compile)")
+    print("\npeak RSS of one LOOK-M 20% prefill + scoring + compression (fresh process each; "
+          "counter reset after load and compile)")
     print(f"{'prompt':>6} | {'image':>5} | {'bucket':>6} | {'RSS before MiB':>14} | {'peak MiB':>8} | "
           f"{'peak - before':>13} | {'tokens vs first':>15} | {'growth vs first':>15} | {'prefill s':>9} | "
           f"{'compile s':>9}")

@@ -232,6 +232,15 @@ def test_sweep_rows_match_run_and_a_rerun_resumes(tiny_with_tokenizer, tmp_path)
     assert float(next(r for r in table if r["label"] == "full")["fidelity"]) == 1.0
 
 
+def test_report_refuses_rows_with_different_picture_counts_at_one_length():
+    configs = needle.sweep_configs(["h2o"], [0.3])
+    row = {"seed": 0, "length": 200, "sample": 0, "label": "full", "budget": 1.0, "images": 2}
+    rows = [row, {**row, "sample": 1, "images": 3}, {**row, "length": 300, "images": 3}]
+    assert needle.select_rows(rows[::2], configs, [200, 300], 4, 0, text_only=False) == rows[::2]
+    with pytest.raises(ValueError, match=r"length 200 have \[2, 3\] pictures"):
+        needle.select_rows(rows, configs, [200, 300], 4, 0, text_only=False)
+
+
 def test_cli_refuses_unknown_methods_before_loading_anything(capsys):
     from lookm_jax.cli import main
 

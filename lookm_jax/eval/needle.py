@@ -281,11 +281,19 @@ def run_sweep(model, configs: list[SweepConfig], lengths, n: int, seed: int, jso
 
 def select_rows(rows: list[dict], configs: list[SweepConfig], lengths, n: int, seed: int,
                 text_only: bool) -> list[dict]:
-    """The rows of these settings: configs, lengths, samples 0..n-1, seed, with or without images."""
+    """The rows of these settings: configs, lengths, samples 0..n-1, seed, with or without images.
+    Refuses a length whose rows have different picture counts (runs with different --image-fraction
+    in one JSONL), which one table would silently average."""
     wanted = {(c.label, c.budget) for c in configs}
     unique = {_row_key(r): r for r in reversed(rows)}  # one row per key (JSONLs may have been merged)
-    return [r for r in rows if unique[_row_key(r)] is r and r["seed"] == seed and r["length"] in lengths
-            and (r["images"] == 0) == text_only and r["sample"] < n and (r["label"], r["budget"]) in wanted]
+    selected = [r for r in rows if unique[_row_key(r)] is r and r["seed"] == seed and r["length"] in lengths
+                and (r["images"] == 0) == text_only and r["sample"] < n and (r["label"], r["budget"]) in wanted]
+    for length in lengths:
+        counts = sorted({r["images"] for r in selected if r["length"] == length})
+        if len(counts) > 1:
+            raise ValueError(f"rows at length {length} have {counts} pictures per prompt (runs with different "
+                             f"--image-fraction share one JSONL); give each its own --jsonl")
+    return selected
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -351,8 +359,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("mode", choices=("calibrate", "sweep"),
                    help="calibrate: the full cache only, accuracy per length and depth; sweep: every config")
     p.add_argument("--model", help="model folder or .gguf (default: the embedded SmolLM2 demo model)")
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024],
-                   help="prompt lengths in tokens (the demo's full cache answers >= 80%% up to ~1.5k)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 1280],
+                   help="prompt lengths in tokens (the demo's full cache answers >= 80%% with up to 4 pictures: "
+                        "1024 and 1280 at the default image fraction)")
     p.add_argument("--samples", type=int, default=52,
                    help="samples per length, each config answers all (a multiple of --batch-size compiles once)")
     p.add_argument("--budgets", type=float, nargs="+", default=list(DEFAULT_BUDGETS))
