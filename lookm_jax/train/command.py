@@ -1,0 +1,53 @@
+"""`lookm train vision`: align the demo's CLIP tower and projector to the frozen SmolLM2 decoder."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "vision", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="train the demo's vision tower + projector on procedural scenes (frozen decoder)",
+        description="Stage 0 pretrains the tower on patch labels; stage 1 trains tower and projector on "
+                    "answer tokens through the frozen SmolLM2 decoder. Resumes from OUTPUT's checkpoint.")
+    p.add_argument("--steps", type=int, default=400, help="stage-1 steps (the cosine schedule's length)")
+    p.add_argument("--output", required=True, help="run folder: checkpoint, log.jsonl, demo_vision.safetensors")
+    p.add_argument("--learning-rate", type=float, default=2e-3)
+    p.add_argument("--warmup-steps", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=8, help="single-picture conversations per step")
+    p.add_argument("--multi-every", type=int, default=4,
+                   help="every N-th step trains on 4-picture conversations instead (0 = never)")
+    p.add_argument("--pretrain-steps", type=int, default=300, help="stage-0 steps (0 = skip stage 0)")
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop-after", type=int, help="end this call after N steps (resume later)")
+    p.set_defaults(func=cmd_vision)
+
+
+def cmd_vision(args) -> int:
+    import dataclasses
+
+    from lookm_jax import loading
+    from lookm_jax.train import tower, vision
+
+    if args.multi_every < 0 or args.pretrain_steps < 0 or args.batch_size < 1:
+        raise ValueError(f"need --multi-every >= 0, --pretrain-steps >= 0 and --batch-size >= 1, got "
+                         f"{args.multi_every}, {args.pretrain_steps}, {args.batch_size}")
+    defaults = vision.TrainConfig()
+    config = vision.TrainConfig(
+        steps=args.steps, learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
+        single=dataclasses.replace(defaults.single, batch_size=args.batch_size),
+        multi=defaults.multi if args.multi_every else None, multi_every=max(args.multi_every, 1),
+        eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
+        pretrain=tower.PretrainConfig(steps=args.pretrain_steps, seed=args.seed) if args.pretrain_steps else None)
+    model = loading.demo_model(vision="init")
+    trainable = vision.train(model, config, args.output, stop_after=args.stop_after)
+    path = os.path.join(args.output, "demo_vision.safetensors")
+    vision.export_weights(path, trainable, {"train_config": json.dumps(dataclasses.asdict(config)),
+                                            "vision_config": json.dumps(loading.DEMO_VISION)})
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,238 @@
+"""LLaVA stage-1 alignment in JAX: train a CLIP tower and the projector against a frozen decoder.
+
+The decoder's parameters (`params["text"]`) never change; the tower (`params["vision"]`) and the
+projector (`params["projector"]`) learn from next-token loss on the answer tokens alone. Nothing
+but pixels reaches the image features.
+
+Data for step s is a pure function of (seed, s) (`lookm_jax.train.data`), and a checkpoint holds
+the step, the trainable parameters and the optimizer state, written atomically. So a run killed
+after a checkpoint and resumed computes the same parameters as one that was never stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Callable
+
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from lookm_jax.models import llama, llava
+from lookm_jax.train.data import Batch, BatchSpec, Encoder
+from lookm_jax.train.tower import PretrainConfig, pretrain
+
+CHECKPOINT = "checkpoint.msgpack"
+LOG = "log.jsonl"
+TRAINABLE = ("vision", "projector")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1200
+    learning_rate: float = 2e-3
+    warmup_steps: int = 50
+    weight_decay: float = 0.05
+    clip_norm: float = 1.0
+    seed: int = 0
+    single: BatchSpec = BatchSpec(batch_size=8, pictures=1, turns=3, length=160, max_targets=12)
+    multi: BatchSpec | None = BatchSpec(batch_size=4, pictures=4, turns=3, length=384, max_targets=16)
+    multi_every: int = 3  # every multi_every-th step (1-based) uses the multi-picture batch
+    eval_every: int = 50
+    checkpoint_every: int = 25
+    eval_samples: int = 32  # held-out single-picture questions (and as many held-out-combination ones)
+    pretrain: PretrainConfig | None = PretrainConfig()  # stage 0 (tower alone), run before step 1
+
+    def __post_init__(self):
+        for name in ("steps", "eval_every", "checkpoint_every", "eval_samples", "multi_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.learning_rate > 0 or self.warmup_steps < 0 or self.warmup_steps >= self.steps:
+            raise ValueError(f"need learning_rate > 0 and 0 <= warmup_steps < steps, got "
+                             f"{self.learning_rate}, {self.warmup_steps}, {self.steps}")
+
+    def spec(self, step: int) -> BatchSpec:
+        """The batch kind of (1-based) step `step`."""
+        return self.multi if self.multi is not None and step % self.multi_every == 0 else self.single
+
+
+def optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with linear warmup and cosine decay, after global-norm clipping."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, config.warmup_steps,
+                                                  config.steps, end_value=config.learning_rate * 0.02)
+    return optax.chain(optax.clip_by_global_norm(config.clip_norm),
+                       optax.adamw(schedule, weight_decay=config.weight_decay))
+
+
+def answer_metrics(cfg, trainable: dict, text_params: dict, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """(mean cross-entropy over the answer tokens, accuracy of each answer's first token: its word)."""
+    params = {"text": text_params, **trainable}
+    x, _ = llava.embed(cfg, params, batch["ids"], batch["pixel_values"])
+    h = llama.forward(cfg.text, text_params, x, batch["valid"])  # [B, L, H]
+    h = jnp.take_along_axis(h, batch["target_positions"][..., None], axis=1)  # [B, A, H]
+    logits = llama.lm_logits(text_params, h)  # [B, A, V] fp32: the head runs on answer slots only
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][..., None], axis=-1)[..., 0]
+    mask = batch["target_mask"].astype(jnp.float32)
+    count = jnp.maximum(mask.sum(), 1.0)
+    correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
+    first = batch["answer_start"].astype(jnp.float32)
+    return (nll * mask).sum() / count, (correct * first).sum() / jnp.maximum(first.sum(), 1.0)
+
+
+def make_step(cfg, tx: optax.GradientTransformation) -> Callable:
+    """(trainable, opt_state, text_params, batch) -> (trainable, opt_state, loss, accuracy).
+
+    Jitted; the trainable parameters and optimizer state are donated. Static through the closure:
+    the model config and the optimizer. Each batch kind (its shapes) compiles once.
+    """
+    def step(trainable, opt_state, text_params, batch):
+        (loss, accuracy), grads = jax.value_and_grad(
+            lambda t: answer_metrics(cfg, t, text_params, batch), has_aux=True)(trainable)
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state, loss, accuracy
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _arrays(batch: Batch) -> dict:
+    return {f.name: jnp.asarray(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(directory: str, step: int, trainable: dict, opt_state) -> None:
+    state = {"step": step, "trainable": jax.device_get(trainable), "opt_state": jax.device_get(opt_state)}
+    _write_atomic(os.path.join(directory, CHECKPOINT), flax.serialization.to_bytes(state))
+
+
+def load_checkpoint(directory: str, trainable: dict, opt_state) -> tuple[int, dict, object] | None:
+    """(step, trainable, opt_state) from `directory`, shaped like the given templates; None if absent."""
+    path = os.path.join(directory, CHECKPOINT)
+    if not os.path.exists(path):
+        return None
+    template = {"step": 0, "trainable": trainable, "opt_state": opt_state}
+    with open(path, "rb") as f:
+        state = flax.serialization.from_bytes(template, f.read())
+    return int(state["step"]), jax.device_put(state["trainable"]), jax.device_put(state["opt_state"])
+
+
+def _truncate_log(path: str, step: int) -> None:
+    """Drop log records past the checkpoint (a killed run logged steps it will now redo)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            lines = [line for line in f if line.strip() and _complete_step(line) <= step]
+        _write_atomic(path, "".join(lines).encode())
+
+
+def _complete_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError):  # a line cut short by the kill
+        return float("inf")
+
+
+class HeldOut:
+    """Teacher-forced answer-token accuracy on fixed held-out batches (single pictures, and the
+    held-out colour-shape combination)."""
+
+    def __init__(self, encoder: Encoder, config: TrainConfig, image_size: int, batch_size: int = 16):
+        spec = dataclasses.replace(config.single, batch_size=batch_size, turns=1)
+        count = -(-config.eval_samples // batch_size)
+        self.batches = {split: [_arrays(spec.make(encoder, split, config.seed, i * batch_size, image_size))
+                                for i in range(count)] for split in ("heldout", "combination")}
+
+    def __call__(self, metrics: Callable, trainable: dict, text_params: dict) -> dict[str, float]:
+        out = {}
+        for split, batches in self.batches.items():
+            accuracy = [float(metrics(trainable, text_params, b)[1]) for b in batches]
+            out[f"{split}_accuracy"] = float(np.mean(accuracy))
+        return out
+
+
+def train(model, config: TrainConfig, output: str, *, trainable: dict | None = None,
+          batch_fn: Callable[[int], Batch] | None = None, stop_after: int | None = None,
+          progress: bool = True) -> dict:
+    """Train `model`'s tower and projector (from `trainable`, default: the model's own) into `output`.
+
+    Resumes from `output`'s checkpoint when there is one. `batch_fn(step)` overrides the scene
+    batches (tests use a fixed batch); `stop_after` ends the run after that many steps of this call
+    (as a kill would, after the last checkpoint). Returns the final trainable parameters.
+    """
+    from tqdm import tqdm
+
+    os.makedirs(output, exist_ok=True)
+    cfg = model.config
+    text_params = model.params["text"]
+    trainable = trainable if trainable is not None else {k: model.params[k] for k in TRAINABLE}
+    trainable = jax.tree.map(jnp.array, trainable)  # own copies: the step donates them
+    tx = optimizer(config)
+    opt_state = tx.init(trainable)
+    step = 0
+    restored = load_checkpoint(output, trainable, opt_state)
+    image_size = cfg.pixel_shape[-1]
+    encoder = Encoder.of(model) if batch_fn is None else None
+    if restored is not None:
+        step, trainable, opt_state = restored
+        _truncate_log(os.path.join(output, LOG), step)
+    elif config.pretrain is not None and batch_fn is None:
+        tower, records = pretrain(cfg.vision, trainable["vision"], encoder.image_processor, config.pretrain,
+                                  progress=progress)
+        trainable = {**trainable, "vision": jax.device_put(tower)}
+        with open(os.path.join(output, LOG), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        save_checkpoint(output, 0, trainable, opt_state)
+    if batch_fn is None:
+        def batch_fn(s: int) -> Batch:
+            spec = config.spec(s)
+            return spec.make(encoder, "train", config.seed, (s - 1) * spec.batch_size, image_size)
+    train_step = make_step(cfg, tx)
+    metrics = jax.jit(lambda t, p, b: answer_metrics(cfg, t, p, b))
+    held_out = HeldOut(encoder, config, image_size) if encoder is not None else None
+    last = config.steps if stop_after is None else min(config.steps, step + stop_after)
+    bar = tqdm(total=config.steps, initial=step, desc="train vision", unit="step", disable=not progress)
+    log = open(os.path.join(output, LOG), "a")
+    start, tokens = time.perf_counter(), 0
+    while step < last:
+        step += 1
+        batch = batch_fn(step)
+        trainable, opt_state, loss, accuracy = train_step(trainable, opt_state, text_params, _arrays(batch))
+        tokens += int(batch.valid.sum())
+        record = {"step": step, "loss": float(loss), "accuracy": float(accuracy),
+                  "pictures": int(batch.pixel_values.shape[0] // batch.ids.shape[0])}
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['accuracy']:.2f}",
+                        tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
+        if held_out is not None and (step % config.eval_every == 0 or step == config.steps):
+            record.update(held_out(metrics, trainable, text_params))
+            bar.write(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in record.items() if k != "step"))
+        if step % config.checkpoint_every == 0 or step == last:
+            save_checkpoint(output, step, trainable, opt_state)
+        record["seconds"] = round(time.perf_counter() - start, 2)
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+    bar.close()
+    log.close()
+    return jax.device_get(trainable)
+
+
+def export_weights(path: str, trainable: dict, metadata: dict[str, str]) -> None:
+    """The trained tower + projector as one safetensors file (flat "vision.*", "projector.*" names),
+    written atomically; `lookm_jax.loading.read_demo_vision` reads it back."""
+    from safetensors.numpy import save
+
+    from lookm_jax.convert import store
+
+    flat = {k: np.ascontiguousarray(v, np.float32) for k, v in store.flatten(jax.device_get(trainable)).items()}
+    _write_atomic(path, save(flat, metadata=metadata))

@@ -1,0 +1,132 @@
+"""The vision trainer (lookm_jax.train): loss falls on a fixed batch, kill + resume = uninterrupted,
+stage-0 patch labels, and training batches that match what the model sees at inference."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from lookm_jax import scenes
+from lookm_jax.train import data, tower, vision
+from tests.conftest import IMAGE_TOKEN
+
+LENGTH, TARGETS = 40, 6
+
+
+def _fixed_batch(model) -> data.Batch:
+    """Two rows: text, one 25-token image, more text. The targets are read at the last image
+    positions: a tiny random decoder passes little from image to text tokens through attention, but
+    an image token's own logits follow its feature, so the trainable side can fit them."""
+    rng = np.random.default_rng(0)
+    n_image = model.config.image_seq_length
+    ids = np.concatenate([rng.integers(0, 200, (2, 4)), np.full((2, n_image), IMAGE_TOKEN),
+                          rng.integers(0, 200, (2, LENGTH - 4 - n_image))], axis=1).astype(np.int32)
+    valid = np.ones((2, LENGTH), bool)
+    positions = np.tile(np.arange(4 + n_image - TARGETS, 4 + n_image, dtype=np.int32), (2, 1))
+    targets = rng.integers(0, 200, (2, TARGETS)).astype(np.int32)
+    pixels = rng.standard_normal((2, *model.config.pixel_shape)).astype(np.float32)
+    mask = np.ones((2, TARGETS), bool)
+    return data.Batch(ids, valid, pixels, positions, targets, mask, mask)
+
+
+def _config(steps: int) -> vision.TrainConfig:
+    return vision.TrainConfig(steps=steps, learning_rate=1e-2, warmup_steps=2, checkpoint_every=3,
+                              pretrain=None, multi=None)
+
+
+def test_loss_halves_on_a_fixed_batch(tiny, tmp_path):
+    batch = _fixed_batch(tiny)
+    vision.train(tiny, _config(30), str(tmp_path), batch_fn=lambda step: batch, progress=False)
+    losses = [json.loads(line)["loss"] for line in open(tmp_path / vision.LOG)]
+    assert len(losses) == 30
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_killed_run_resumes_to_the_uninterrupted_parameters(tiny, tmp_path):
+    batches = {s: dataclasses.replace(_fixed_batch(tiny), targets=_fixed_batch(tiny).targets + s)
+               for s in range(1, 8)}  # a different batch per step, as the scene stream gives
+
+    def run(folder, stop_after=None):
+        return vision.train(tiny, _config(7), str(folder), batch_fn=batches.__getitem__,
+                            stop_after=stop_after, progress=False)
+
+    whole = run(tmp_path / "whole")
+    first = run(tmp_path / "killed", stop_after=4)  # checkpoints at 3 and at 4, then "dies"
+    with open(tmp_path / "killed" / vision.LOG, "a") as log:
+        log.write('{"step": 5, "loss": 1.0}\n{"step": 6, "lo')  # steps logged after the checkpoint
+    resumed = run(tmp_path / "killed")
+    assert not jax.tree.all(jax.tree.map(np.array_equal, first, whole))
+    chex.assert_trees_all_equal(resumed, whole)
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "killed" / vision.LOG)]
+    assert steps == list(range(1, 8))
+
+
+def test_trained_weights_are_exported_and_read_back(tiny, tmp_path):
+    from lookm_jax import loading
+
+    trainable = {k: tiny.params[k] for k in vision.TRAINABLE}
+    path = str(tmp_path / "vision.safetensors")
+    vision.export_weights(path, trainable, {"note": "test"})
+    chex.assert_trees_all_equal(loading.read_demo_vision(path), jax.device_get(trainable))
+    with pytest.raises(FileNotFoundError, match="trained vision weights are missing"):
+        loading.read_demo_vision(str(tmp_path / "absent.safetensors"))
+
+
+def test_train_config_refuses_bad_values():
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        vision.TrainConfig(steps=0)
+    with pytest.raises(ValueError, match="warmup_steps < steps"):
+        vision.TrainConfig(steps=10, warmup_steps=10)
+
+
+def test_patch_labels_follow_the_drawn_objects():
+    scene = scenes.Scene((scenes.SceneObject("blue", "square", 0.25, 0.25, 0.2),), (200, 200, 200), (0.0, 0.0), 0)
+    colour, shape = tower.patch_labels(scene, 112, 14)
+    grid_c, grid_s = colour.reshape(8, 8), shape.reshape(8, 8)
+    assert grid_c[2, 2] == 1 + list(scenes.COLOURS).index("blue") and grid_s[2, 2] == 1 + scenes.SHAPES.index("square")
+    assert grid_c[6, 6] == 0 and grid_s[6, 6] == 0  # background
+    assert (grid_c > 0).sum() == (grid_s > 0).sum() > 0
+
+
+def test_pretraining_raises_patch_accuracy(tiny):
+    cfg = tiny.config.vision  # 30 px, 6 px patches
+    processor = data.CLIPImageProcessorConfig(shortest_edge=30, crop_height=30, crop_width=30)
+    config = tower.PretrainConfig(steps=40, batch_size=16, dataset=64, learning_rate=3e-3, warmup_steps=4)
+    _, log = tower.pretrain(cfg, tiny.params["vision"], processor, config, progress=False)
+    assert log[-1]["loss"] < 0.6 * log[0]["loss"]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from lookm_jax import loading
+
+    return loading.demo_model(vision="init")  # tokenizer, template and shapes; the weights do not matter here
+
+
+def test_training_conversation_matches_inference_prompt(demo):
+    encoder = data.Encoder.of(demo)
+    sample = scenes.single_picture_sample("train", 0, 3, turns=3)
+    ids, role = encoder.conversation(data.single_picture_conversation(sample))
+    first_answer = role.index(1)
+    np.testing.assert_array_equal(ids[:first_answer], demo.encode_chat(sample.questions[0].text, num_images=1)[0])
+    answers = demo.tokenizer.decode([t for t, r in zip(ids, role) if r], skip_special_tokens=False)
+    assert answers == "".join(scenes.answer_text(q.answer) + "<|im_end|>" for q in sample.questions)
+    assert sum(r == 1 for r in role) == 3
+    assert ids.count(demo.config.image_token_id) == demo.config.image_seq_length
+
+
+def test_multi_picture_batch_shapes(demo):
+    encoder = data.Encoder.of(demo)
+    spec = vision.TrainConfig().multi
+    batch = spec.make(encoder, "train", 0, 0, demo.config.pixel_shape[-1])
+    chex.assert_shape(batch.pixel_values, (spec.batch_size * spec.pictures, *demo.config.pixel_shape))
+    chex.assert_shape([batch.ids, batch.valid], (spec.batch_size, spec.length))
+    chex.assert_shape([batch.targets, batch.target_mask, batch.answer_start], (spec.batch_size, spec.max_targets))
+    assert ((batch.ids == demo.config.image_token_id).sum(1) == spec.pictures * demo.config.image_seq_length).all()
+    with pytest.raises(ValueError, match="does not fit the batch length"):
+        dataclasses.replace(spec, length=100).make(encoder, "train", 0, 0, demo.config.pixel_shape[-1])
