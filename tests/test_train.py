@@ -13,9 +13,20 @@ import pytest
 
 from lookm_jax import scenes
 from lookm_jax.train import data, tower, vision
-from tests.conftest import IMAGE_TOKEN
+from tests.conftest import IMAGE_TOKEN, tiny_llava
 
 LENGTH, TARGETS = 40, 6
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random LLaVA with its LM head tied to the (unit-variance) embedding, so logits can be
+    peaked: with HF's 0.02-std head no input could halve the loss."""
+    import lookm_jax
+
+    folder = tmp_path_factory.mktemp("tiny_tied")
+    tiny_llava(folder, tie=True)
+    return lookm_jax.load(str(folder))
 
 
 def _fixed_batch(model) -> data.Batch:
