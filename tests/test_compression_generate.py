@@ -21,7 +21,7 @@ import lookm_jax
 import reference_lookm as ref
 from conftest import image_ids
 from lookm_jax import METHODS, generate as gen, get_method
-from lookm_jax.cli import DEFAULT_IMAGES
+from lookm_jax.cli_args import DEFAULT_IMAGES
 from lookm_jax.methods import BudgetMethod
 from lookm_jax.models import llama
 from lookm_jax.models.image_processing import CLIPImageProcessorConfig, preprocess_images
