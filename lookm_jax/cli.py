@@ -55,15 +55,18 @@ def cmd_generate(args) -> int:
 
     import lookm_jax
 
-    method = method_from_args(args)  # refuses bad method options before anything loads
+    from lookm_jax.inputs import open_image
+
+    method = method_from_args(args)  # bad options, prompt files and images are refused before the model loads
     prompt = read_prompt(args)
+    pictures = [open_image(path) for path in args.image or ()]
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     model = lookm_jax.load(args.model, dtype) if args.model else lookm_jax.load_default(dtype)
     _add_buckets(model, args.buckets)
     if model.manifest.get("vision_untrained"):
         print("note: the default demo model pairs the real SmolLM2-135M-Instruct decoder with an UNTRAINED, "
               "seeded CLIP tower and projector: image tokens are noise to it. Answers are about the text.")
-    images = [] if args.text_only else default_images(args, model)
+    images = [] if args.text_only else pictures or default_images(args, model)
     pixel_values, tiles = model.preprocess_images(images) if images else (None, None)
     input_ids = model.encode_chat(prompt, num_images=len(images), image_tiles=tiles)
     result = model.run(input_ids, pixel_values, max_new_tokens=args.max_new_tokens, method=method,
@@ -110,7 +113,7 @@ def cmd_convert(args) -> int:
         raise InputError(f"{args.src} is already a converted folder")
     if os.path.exists(args.dst) and not args.force:
         raise InputError(f"{args.dst} exists; pass --force to replace it")
-    with tqdm(total=2, desc="lookm convert", unit="step") as bar:
+    with tqdm(total=2, desc="lookm convert", unit="step", leave=False) as bar:
         bar.set_postfix_str(f"reading {args.src}")
         manifest, params, tokenizer_json = read_checkpoint(args.src)
         bar.update()

@@ -195,6 +195,7 @@ def tiny_with_tokenizer(tiny):
     return dataclasses.replace(tiny, tokenizer=tokenizer, _compiled={})
 
 
+@pytest.mark.slow
 def test_sweep_rows_match_run_and_a_rerun_resumes(tiny_with_tokenizer, tmp_path):
     model = tiny_with_tokenizer
     configs = needle.sweep_configs(["h2o"], [0.3])
