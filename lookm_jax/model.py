@@ -69,6 +69,10 @@ class GenerationResult:
 
 @dataclasses.dataclass
 class Model:
+    """A loaded model: a facade over the pieces that do the work. Input checks: `lookm_jax.inputs`;
+    pictures and chat turns: the architecture's processor (`models/processors.py`); prefill, compression
+    and decode: `lookm_jax.generate`; many methods from one prefill: `lookm_jax.sweep`."""
+
     config: LlavaConfig | LlamaConfig
     params: dict  # jax arrays, see models/llama.py, clip.py, llava.py for the layout
     manifest: dict[str, Any]  # hf_config, chat_template, image_processor, notes (what `save` writes)
