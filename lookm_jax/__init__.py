@@ -1,7 +1,8 @@
 """lookm-jax: LOOK-M KV-cache compression for LLaVA-style multimodal LLMs, in pure jit-compiled JAX."""
 
 from lookm_jax.cache import KVCache
-from lookm_jax.generate import DEFAULT_BUCKETS, PromptTooLongError
+from lookm_jax.errors import InputError, PromptTooLongError
+from lookm_jax.generate import DEFAULT_BUCKETS
 from lookm_jax.loading import load, load_default
 from lookm_jax.model import GenerationResult, Model
 from lookm_jax.sharding import make_mesh, shard_params

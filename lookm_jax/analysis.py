@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lookm_jax import generate as gen
+from lookm_jax import generate as gen, inputs
 from lookm_jax.models import llama, llava
 from lookm_jax.scoring import SUMS, scores_from_stats
 
@@ -52,7 +52,7 @@ def attention_received(model, input_ids, pixel_values=None) -> np.ndarray:
         raise ValueError(f"attention_received takes one prompt, ids [L] or [1, L]; got shape {ids.shape}")
     ids = ids.reshape(1, -1)
     packed, valid = gen.pack_prompts(ids, None, model.buckets)
-    pixels = model._pixel_values(packed, valid, pixel_values)
+    pixels = inputs.pixel_values(model.config, model.dtype, packed, valid, pixel_values)
     received = attention_received_padded(model.config, model.params, jnp.asarray(packed), jnp.asarray(valid), pixels)
     return np.asarray(received[:, 0, : ids.shape[1]], np.float32)
 

@@ -1,4 +1,8 @@
-"""The `lookm` command. `lookm generate` with no arguments runs the embedded offline demo."""
+"""The `lookm` command. `lookm generate` with no arguments runs the embedded offline demo.
+
+Every refused input ends the command with one line on stderr, `lookm: error: ...`, and exit
+status 2 (argument errors included); set LOOKM_TRACEBACK=1 to see the traceback instead.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,9 @@ import importlib
 import os
 import sys
 
-DEFAULT_PROMPT = "Write a haiku about the sea."
-ASSETS = os.path.join(os.path.dirname(__file__), "assets")
-DEFAULT_IMAGES = [os.path.join(ASSETS, "landscape.png"), os.path.join(ASSETS, "apple.png")]
-
+from lookm_jax.cli_args import (DTYPES, HelpFormatter, add_method_arguments, add_prompt_arguments, default_images,
+                                method_from_args, read_prompt)
+from lookm_jax.errors import InputError
 
 # Command groups: `lookm eval NAME ...`, `lookm plot NAME ...`. Each module listed defines
 # `add_parser(subparsers)`, adding its command with `set_defaults(func=...)`; modules keep heavy
@@ -23,34 +26,29 @@ COMMAND_MODULES: dict[str, tuple[str, ...]] = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """Every (sub)command's parser: help shows each option's default; errors are one line."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        print(f"lookm: error: {self.prog}: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(2)
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def add_method_arguments(parser: argparse.ArgumentParser) -> None:
-    """--method/--budget/--alpha-recent/--alpha-important/--merge, read back by `_method_from_args`."""
-    parser.add_argument("--method", default="full", help="KV-cache method (see lookm_jax.METHODS)")
-    parser.add_argument("--budget", type=float, help="kept fraction of the prompt, split evenly recent/important")
-    parser.add_argument("--alpha-recent", type=float)
-    parser.add_argument("--alpha-important", type=float)
-    parser.add_argument("--merge", choices=("none", "averaged", "pivotal", "weighted"))
-
-
-def _method_from_args(args):
-    from lookm_jax.methods import get_method
-
-    if args.method == "full":
-        return get_method("full")
-    kwargs = {}
-    if args.budget is not None:
-        kwargs["budget"] = args.budget
-    if args.alpha_recent is not None:
-        kwargs["alpha_recent"] = args.alpha_recent
-    if args.alpha_important is not None:
-        kwargs["alpha_important"] = args.alpha_important
-    if args.merge is not None:
-        kwargs["merge"] = None if args.merge == "none" else args.merge
-    return get_method(args.method, **kwargs)
+def _add_buckets(model, extra: list[int] | None) -> None:
+    """Add --buckets' prompt lengths to the model's bucket table."""
+    if not extra:
+        return
+    if any(b < 1 for b in extra):
+        raise InputError(f"--buckets must be positive token counts, got {extra}")
+    model.buckets = tuple(sorted(set(model.buckets) | set(extra)))
 
 
 def cmd_generate(args) -> int:
@@ -58,49 +56,103 @@ def cmd_generate(args) -> int:
 
     import lookm_jax
 
+    from lookm_jax.inputs import open_image
+
+    method = method_from_args(args)  # bad options, prompt files and images are refused before the model loads
+    prompt = read_prompt(args)
+    pictures = [open_image(path) for path in args.image or ()]
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     model = lookm_jax.load(args.model, dtype) if args.model else lookm_jax.load_default(dtype)
+    _add_buckets(model, args.buckets)
     if model.manifest.get("vision_untrained"):
         print("note: the default demo model pairs the real SmolLM2-135M-Instruct decoder with an UNTRAINED, "
               "seeded CLIP tower and projector: image tokens are noise to it. Answers are about the text.")
-    images = args.image if args.image is not None else (DEFAULT_IMAGES if model.is_multimodal and not args.model else [])
-    if args.text_only:
-        images = []
+    images = [] if args.text_only else pictures or default_images(args, model)
     pixel_values, tiles = model.preprocess_images(images) if images else (None, None)
-    input_ids = model.encode_chat(args.prompt, num_images=len(images), image_tiles=tiles)
-    result = model.run(input_ids, pixel_values, max_new_tokens=args.max_new_tokens, method=_method_from_args(args),
-                       temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    input_ids = model.encode_chat(prompt, num_images=len(images), image_tiles=tiles)
+    result = model.run(input_ids, pixel_values, max_new_tokens=args.max_new_tokens, method=method,
+                       temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                       ignore_context_limit=args.ignore_context_limit)
     answer = model.decode_text(result.tokens[0][: int(result.lengths[0])])
     n_prompt, n_image = int(result.prompt_lengths[0]), int(result.image_tokens[0])
-    print(f"prompt: {args.prompt!r} with {len(images)} image(s)")
+    shown = prompt if len(prompt) <= 200 else f"{prompt[:200]}... ({len(prompt)} characters)"
+    print(f"prompt: {shown!r} with {len(images)} image(s)")
     print(f"answer: {answer}")
     print(f"prompt tokens: {n_prompt} ({n_image} image, {n_prompt - n_image} text), bucket {result.bucket}; "
           f"generated {int(result.lengths[0])}")
     print(f"method: {args.method}; kept prompt tokens per layer and KV head: {result.kept_image_tokens[0]:.1f} image, "
           f"{result.kept_text_tokens[0]:.1f} text")
-    print(f"KV cache: {_mib(result.cache_bytes)} after compression, {_mib(result.full_cache_bytes)} full "
-          f"({result.cache_bytes / result.full_cache_bytes:.1%})")
+    print(f"KV cache: {_mib(result.cache_bytes)} after compression, {_mib(result.full_cache_bytes)} full: "
+          f"{result.cache_bytes / result.full_cache_bytes:.1%}, counting slots per layer and KV head "
+          f"({result.prompt_slots} kept prompt + {result.new_slots} new-token slots, of "
+          f"{result.bucket} bucket + {result.new_slots} new-token slots)")
     print(f"compile {result.compile_seconds:.2f} s; prefill {result.prefill_seconds:.3f} s; "
           f"decode {result.decode_ms_per_token:.1f} ms/token")
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lookm", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def cmd_methods(args) -> int:
+    from lookm_jax.methods import METHODS, ScorerMethod, method_class, parameters
+
+    for name in METHODS:
+        cls = method_class(name)
+        print(f"{name}: {(cls.__doc__ or '').strip().splitlines()[0]}")
+        for param, default in parameters(name).items():
+            print(f"    {param} = {default!r}")
+        if issubclass(cls, ScorerMethod):
+            print("    (budget=b sets alpha_recent = alpha_important = b / 2; --budget on the command line)")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from tqdm.auto import tqdm
+
+    from lookm_jax.convert import store
+    from lookm_jax.loading import read_checkpoint
+
+    if store.is_converted(args.src):
+        raise InputError(f"{args.src} is already a converted folder")
+    if os.path.exists(args.dst) and not args.force:
+        raise InputError(f"{args.dst} exists; pass --force to replace it")
+    with tqdm(total=2, desc="lookm convert", unit="step", leave=False) as bar:
+        bar.set_postfix_str(f"reading {args.src}")
+        manifest, params, tokenizer_json = read_checkpoint(args.src)
+        bar.update()
+        bar.set_postfix_str(f"writing {args.dst}")
+        store.save_converted(args.dst, params, manifest, tokenizer_json)  # atomic: a tmp folder renamed
+        bar.update()
+    print(f"converted {args.src} -> {args.dst} (`lookm generate --model {args.dst}`)")
+    return 0
+
+
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text (no arguments: the embedded offline demo)")
-    g.add_argument("--model", help="HF llava/llama checkpoint folder, converted folder, or .gguf file "
-                                   "(default: the embedded SmolLM2 demo model)")
-    g.add_argument("--image", action="append", help="image file (repeatable); default: two bundled pictures")
+    add_prompt_arguments(g)
     g.add_argument("--text-only", action="store_true", help="no images, even on the demo model")
-    g.add_argument("--prompt", default=DEFAULT_PROMPT)
-    g.add_argument("--max-new-tokens", type=int, default=48)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate at most")
+    g.add_argument("--ignore-context-limit", action="store_true",
+                   help="run even when prompt + new tokens exceed the model's max_position_embeddings")
+    g.add_argument("--buckets", type=int, nargs="+",
+                   help="extra prompt bucket lengths, added to the table (default: none beyond 64 ... 16384)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    g.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter and activation dtype")
     add_method_arguments(g)
     g.set_defaults(func=cmd_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="lookm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    sub.add_parser("methods", help="list the compression methods, their parameters and defaults").set_defaults(
+        func=cmd_methods)
+    c = sub.add_parser("convert", help="convert a checkpoint into a converted folder (fast to load)")
+    c.add_argument("src", help="HF checkpoint folder (llava-hf, original LLaVA layout, llama/qwen2) or .gguf file")
+    c.add_argument("dst", help="converted folder to write (atomically)")
+    c.add_argument("--force", action="store_true", help="replace DST if it exists")
+    c.set_defaults(func=cmd_convert)
     for group, help_text in GROUP_HELP.items():
         commands = sub.add_parser(group, help=help_text).add_subparsers(dest=f"{group}_command", required=True)
         for module in COMMAND_MODULES[group]:
@@ -112,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:  # InputError, ConfigError, CheckpointError, missing files
+        if os.environ.get("LOOKM_TRACEBACK"):
+            raise
         print(f"lookm: error: {err}", file=sys.stderr)
         return 2
 

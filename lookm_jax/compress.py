@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.struct
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lookm_jax.errors import InputError
 from lookm_jax.merge import MERGES, merge_evicted
 from lookm_jax.select import select_slots
 
@@ -25,6 +27,34 @@ class CompressedKV:
     @property
     def capacity(self) -> int:
         return self.keys.shape[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionSpec:
+    """How kept slots are chosen and evicted pairs folded in; validated here, once, for every caller.
+
+    text_prior: eq. 5, every text token outranks every image token.
+    merge: None (evict only) | "averaged" | "pivotal" | "weighted" (eq. 9-12).
+    n_sink: the first n_sink valid tokens are always kept, counted within N.
+    similarity_filter: merge only evicted tokens whose best cosine passes the row mean (needs merge).
+    keep_all_text: keep every text token even beyond N (needs text_prior).
+    """
+
+    text_prior: bool = False
+    merge: str | None = None
+    n_sink: int = 0
+    similarity_filter: bool = False
+    keep_all_text: bool = False
+
+    def __post_init__(self):
+        if self.merge is not None and self.merge not in MERGES:
+            raise InputError(f"merge must be None or one of {MERGES}, got {self.merge!r}")
+        if self.similarity_filter and self.merge is None:
+            raise InputError("similarity_filter needs a merge mode")
+        if self.keep_all_text and not self.text_prior:
+            raise InputError("keep_all_text needs text_prior=True")
+        if not isinstance(self.n_sink, int) or self.n_sink < 0:
+            raise InputError(f"n_sink must be an int >= 0, got {self.n_sink!r}")
 
 
 def _static_capacity(n_recent, n_important, length: int) -> int:
@@ -78,12 +108,7 @@ def compress_kv(
     The wrapper resolves the static capacity and then calls a jitted core whose static args are
     capacity, text_prior, merge, n_sink, similarity_filter, keep_all_text and block.
     """
-    if merge is not None and merge not in MERGES:
-        raise ValueError(f"merge must be None or one of {MERGES}, got {merge!r}")
-    if similarity_filter and merge is None:
-        raise ValueError("similarity_filter needs a merge mode")
-    if keep_all_text and not text_prior:
-        raise ValueError("keep_all_text needs text_prior=True")
+    SelectionSpec(text_prior, merge, n_sink, similarity_filter, keep_all_text)  # validates
     b, _, length, _ = keys.shape
     if capacity is None:
         capacity = _static_capacity(n_recent, n_important, length)

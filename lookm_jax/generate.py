@@ -20,16 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from lookm_jax.cache import KVCache
+from lookm_jax.errors import PromptTooLongError
 from lookm_jax.models import llama, llava
 from lookm_jax.models.config import LlamaConfig, LlavaConfig
 from lookm_jax.sharding import constrain_cache
 
 # Static prompt lengths: powers of two and the midpoints between them, so padding wastes < 1/3.
 DEFAULT_BUCKETS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
-
-
-class PromptTooLongError(ValueError):
-    """The prompt does not fit the largest bucket."""
 
 
 def bucket_length(length: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> int:

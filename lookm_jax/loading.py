@@ -8,8 +8,11 @@ offline. It is converted once and cached as safetensors (see convert/store.py).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +35,10 @@ DEMO_VISION_NOTE = ("the vision tower and projector were trained here on procedu
                     "circles, squares and triangles (lookm_jax.scenes): they see colour, shape, count and "
                     "position of such shapes, and nothing else")
 DEMO_SEED = 0
-# Bump when the demo's construction or the GGUF conversion changes: a cached demo of another build
-# (or from another GGUF file) is rebuilt instead of silently reused.
+# Bump when the demo's construction or the GGUF conversion changes: the cache is keyed by it and by the
+# GGUF's content (`demo_key`), so a demo of another build or other weights is never silently reused.
 DEMO_BUILD = 2
+_MIB = 1 << 20
 
 
 def cache_dir() -> str:
@@ -55,17 +59,17 @@ def _to_jax(params: dict, dtype) -> dict:
     return jax.tree.map(lambda a: a if a.dtype == dtype else a.astype(dtype), params)
 
 
-def _from_manifest(manifest: dict, params: dict, tokenizer, dtype) -> Model:
+def _from_manifest(manifest: dict, params: dict, tokenizer_json: str | None, dtype) -> Model:
     return Model(config=parse_config(manifest["hf_config"]), params=_to_jax(params, dtype),
-                 manifest=manifest, tokenizer=tokenizer)
+                 manifest=manifest, tokenizer=_tokenizer_from_json(tokenizer_json))
 
 
-def _load_hf(folder: str, dtype) -> Model:
+def _read_hf(folder: str) -> tuple[dict, dict, str | None]:
     hf_config, config, params = load_hf_folder(folder)
     manifest = {"hf_config": hf_config, "source": os.path.abspath(folder)}
-    tokenizer = None
+    tokenizer_json = None
     if os.path.exists(os.path.join(folder, "tokenizer.json")):
-        tokenizer = _tokenizer_from_json(open(os.path.join(folder, "tokenizer.json")).read())
+        tokenizer_json = open(os.path.join(folder, "tokenizer.json")).read()
     for name in ("tokenizer_config.json", "preprocessor_config.json"):
         path = os.path.join(folder, name)
         if os.path.exists(path):
@@ -81,30 +85,35 @@ def _load_hf(folder: str, dtype) -> Model:
     processor = original_llava.image_processor(config, hf_config, manifest.get("image_processor"))
     if processor is not None:  # original LLaVA layouts: the tower's processor and their pad-to-square
         manifest["image_processor"] = processor
-    return _from_manifest(manifest, params, tokenizer, dtype)
+    return manifest, params, tokenizer_json
 
 
-def _load_gguf(path: str, dtype) -> Model:
+def _read_gguf(path: str) -> tuple[dict, dict, str | None]:
     from lookm_jax.convert.gguf import read_gguf
 
     ckpt = read_gguf(path)
     params = params_from_hf(parse_config(ckpt.config), dict(ckpt.tensors))
     manifest = {"hf_config": ckpt.config, "chat_template": ckpt.chat_template, "source": os.path.abspath(path)}
-    return _from_manifest(manifest, params, ckpt.tokenizer, dtype)
+    return manifest, params, ckpt.tokenizer.to_str()
+
+
+def read_checkpoint(path: str) -> tuple[dict, dict, str | None]:
+    """An HF checkpoint folder (llava-hf, original layout, llama), a converted folder, or a .gguf file
+    -> (manifest, numpy params, tokenizer json or None): what `store.save_converted` writes."""
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no GGUF file at {path}")
+        return _read_gguf(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: not a folder or .gguf file")
+    if store.is_converted(path):
+        return store.load_converted(path)
+    return _read_hf(path)
 
 
 def load(path: str, dtype=jnp.float32) -> Model:
     """An HF checkpoint folder (llava or llama), a converted folder, or a .gguf file -> Model."""
-    if path.endswith(".gguf"):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no GGUF file at {path}")
-        return _load_gguf(path, dtype)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"{path}: not a folder or .gguf file")
-    if store.is_converted(path):
-        manifest, params, tokenizer_json = store.load_converted(path)
-        return _from_manifest(manifest, params, _tokenizer_from_json(tokenizer_json), dtype)
-    return _load_hf(path, dtype)
+    return _from_manifest(*read_checkpoint(path), dtype)
 
 
 def demo_vision_init(hf_config: dict, seed: int = DEMO_SEED) -> dict:
@@ -147,7 +156,8 @@ def build_demo(gguf_path: str | None = None, vision: str = "trained") -> tuple[d
 
     if vision not in ("trained", "init"):
         raise ValueError(f"vision must be 'trained' or 'init', got {vision!r}")
-    ckpt = read_gguf(gguf_path or smollm2_gguf_path())
+    gguf_path = gguf_path or smollm2_gguf_path()
+    ckpt = read_gguf(gguf_path)
     text_config = ckpt.config
     tokenizer = ckpt.tokenizer
     from tokenizers import AddedToken
@@ -162,30 +172,62 @@ def build_demo(gguf_path: str | None = None, vision: str = "trained") -> tuple[d
     manifest = {"hf_config": hf_config, "chat_template": ckpt.chat_template,
                 "image_processor": DEMO_IMAGE_PROCESSOR,
                 "vision": DEMO_VISION_NOTE if vision == "trained" else "seeded initialisation, untrained",
-                "source": os.path.abspath(gguf_path or smollm2_gguf_path()), "demo_build": _demo_build_id()}
+                "source": os.path.abspath(gguf_path), "demo_build": demo_key(gguf_path, vision)}
     return manifest, params, tokenizer.to_str()
 
 
 def demo_model(vision: str = "trained", dtype=jnp.float32) -> Model:
     """The demo model built in memory, uncached (`build_demo`)."""
     manifest, params, tokenizer_json = build_demo(vision=vision)
-    return _from_manifest(manifest, params, _tokenizer_from_json(tokenizer_json), dtype)
+    return _from_manifest(manifest, params, tokenizer_json, dtype)
 
 
-def _demo_build_id() -> str:
-    from lookm_jax.convert.gguf import smollm2_gguf_path
+def demo_key(gguf_path: str, vision: str = "trained") -> str:
+    """DEMO_BUILD and a fingerprint of the content: sha256 of the GGUF's size and first and last MiB,
+    and of the shipped vision weights (whole: 9 MiB) when they are used.
 
-    stat = os.stat(smollm2_gguf_path())
-    return f"{DEMO_BUILD}:{stat.st_size}:{int(stat.st_mtime)}"
+    Cheap (2 MiB read, not the whole file) and independent of the file's path and mtime, so every
+    install with the same weights shares one cached demo, and other weights get their own.
+    """
+    size = os.path.getsize(gguf_path)
+    digest = hashlib.sha256(str(size).encode())
+    with open(gguf_path, "rb") as f:
+        digest.update(f.read(_MIB))
+        f.seek(max(0, size - _MIB))
+        digest.update(f.read(_MIB))
+    if vision == "trained":
+        with open(DEMO_VISION_WEIGHTS, "rb") as f:
+            digest.update(f.read())
+    return f"{DEMO_BUILD}-{digest.hexdigest()[:16]}"
+
+
+def _build_demo_cache(gguf_path: str, path: str) -> None:
+    """Convert the demo into `path`, safe against a concurrent build: each process writes its own
+    hidden folder and renames it into place; a rename onto a finished copy fails, and the loser
+    keeps the winner's copy (the same content, by the key)."""
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(path)}.build-")
+    try:
+        built = os.path.join(staging, "model")
+        manifest, params, tokenizer_json = build_demo(gguf_path)
+        store.save_converted(built, params, manifest, tokenizer_json)
+        try:
+            os.rename(built, path)
+        except OSError:
+            if not store.is_converted(path):  # not a concurrent build's result: something else is there
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def load_default(dtype=jnp.float32) -> Model:
-    """The embedded demo model, offline: converted from the GGUF on first use, then cached."""
-    path = os.path.join(cache_dir(), DEMO_NAME)
-    if store.is_converted(path):
-        model = load(path, dtype)
-        if model.manifest.get("demo_build") == _demo_build_id():
-            return model
-    manifest, params, tokenizer_json = build_demo()
-    store.save_converted(path, params, manifest, tokenizer_json)
-    return _from_manifest(manifest, params, _tokenizer_from_json(tokenizer_json), dtype)
+    """The embedded demo model, offline: converted from the GGUF on first use, then cached under
+    `cache_dir()` in a folder keyed by `demo_key`."""
+    from lookm_jax.convert.gguf import smollm2_gguf_path
+
+    gguf_path = smollm2_gguf_path()
+    path = os.path.join(cache_dir(), f"{DEMO_NAME}-{demo_key(gguf_path)}")
+    if not store.is_converted(path):
+        _build_demo_cache(gguf_path, path)
+    return load(path, dtype)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import csv
 import os
 
-from lookm_jax.cli import DEFAULT_IMAGES, DEFAULT_PROMPT
+from lookm_jax.cli_args import add_prompt_arguments, default_images, read_prompt
 
 SWEEP_COLUMNS = ("label", "method", "text_prior", "merge", "budget", "length", "samples", "accuracy", "fidelity")
 METRICS = ("accuracy", "fidelity")
@@ -223,14 +223,15 @@ def cmd_attention(args) -> int:
 
     _check_output(args.output)
     model = lookm_jax.load(args.model) if args.model else lookm_jax.load_default()
-    images = args.image if args.image is not None else (DEFAULT_IMAGES if model.is_multimodal and not args.model else [])
+    images = default_images(args, model)
+    prompt = read_prompt(args)
     pixel_values, tiles = model.preprocess_images(images) if images else (None, None)
-    input_ids = model.encode_chat(args.prompt, num_images=len(images), image_tiles=tiles)
+    input_ids = model.encode_chat(prompt, num_images=len(images), image_tiles=tiles)
     received = attention_received(model, input_ids, pixel_values)  # [N, L]
     is_image = (input_ids[0] == model.config.image_token_id) if model.is_multimodal else np.zeros(input_ids.shape[1], bool)
     summary = modality_summary(received, is_image)
     title = (f"{os.path.basename(args.model) if args.model else 'demo model (SmolLM2-135M + untrained CLIP)'}: "
-             f"{len(images)} image(s), prompt {args.prompt!r}")
+             f"{len(images)} image(s), prompt {prompt[:60]!r}")
     _save_png(draw_attention(received, is_image, summary, title), args.output)
     n_image = int(is_image.sum())
     print(f"wrote {args.output}: {received.shape[0]} layers x {received.shape[1]} prompt tokens "
@@ -248,13 +249,10 @@ def add_parser(subparsers) -> None:
     """Adds `sweep` and `attention` to the `lookm plot` command group."""
     s = subparsers.add_parser("sweep", help="accuracy (or fidelity) vs KV budget per method, one panel per length")
     s.add_argument("results", help=f"sweep CSV with the columns {','.join(SWEEP_COLUMNS)}")
-    s.add_argument("--metric", choices=METRICS, default="accuracy")
+    s.add_argument("--metric", choices=METRICS, default="accuracy", help="what the y axis shows")
     s.add_argument("--output", help="PNG file (default: RESULTS with .png, or _fidelity.png for --metric fidelity)")
     s.set_defaults(func=cmd_sweep)
     a = subparsers.add_parser("attention", help="attention each prompt token receives per layer, by modality")
-    a.add_argument("--model", help="HF llava/llama checkpoint folder, converted folder, or .gguf file "
-                                   "(default: the embedded SmolLM2 demo model)")
-    a.add_argument("--image", action="append", help="image file (repeatable); default: two bundled pictures")
-    a.add_argument("--prompt", default=DEFAULT_PROMPT, help="text of the user turn (default: the demo prompt)")
+    add_prompt_arguments(a)
     a.add_argument("--output", default="attention_by_modality.png", help="PNG file")
     a.set_defaults(func=cmd_attention)

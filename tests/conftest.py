@@ -47,6 +47,16 @@ def image_ids(n_tokens_per_image: int, segments: list) -> np.ndarray:
     return np.asarray(out, np.int32)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def lookm_cache(tmp_path_factory):
+    """Every test (and subprocess it starts) caches converted models in one temporary folder per
+    session, never in the user's ~/.cache/lookm_jax: the demo model is converted once per session."""
+    path = tmp_path_factory.mktemp("lookm_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LOOKM_CACHE", str(path))
+        yield path
+
+
 @pytest.fixture(scope="session")
 def rng():
     return np.random.default_rng(1234)

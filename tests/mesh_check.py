@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lookm_jax import METHODS, Model, generate as gen, get_method, sharding
+from method_variants import DEFAULTS, build
+from lookm_jax import Model, generate as gen, get_method, sharding
 from lookm_jax.convert.tables import clip_shapes, llama_shapes, projector_shapes
 from lookm_jax.models.config import CLIPVisionConfig, LlamaConfig, LlavaConfig, RopeConfig
 
@@ -170,14 +171,14 @@ def test_mesh_logits_equal_single_device(sharded, single, prompt):
     np.testing.assert_allclose(logits, single[1], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", [name for name, _ in DEFAULTS])
 def test_compression_alone_has_no_collectives(model, name):
     """Every method, compiled on its own with q/k/v split over (rows, heads) on the 2x2 mesh: no
     collective at all (it is per row and head), and its output stays split, [B/2, Hkv/2, S, D] per
     device (numerics on a mesh: the generation test above). One exception, not a per-head array:
     SnapKV's top_k over the [B, L] positions of its query window, whose rows XLA's partitioner
     gathers."""
-    method = get_method(name) if name == "full" else get_method(name, budget=0.4)
+    method = build(name, {}, budget=0.4)
     rng = np.random.default_rng(2)
     q, k, v = (rng.standard_normal((4, h, BUCKET, D)).astype(np.float32) for h in (8, 4, 4))
     valid = np.arange(BUCKET)[None] < np.asarray([64, 50, 33, 60])[:, None]

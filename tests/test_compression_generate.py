@@ -21,31 +21,27 @@ import lookm_jax
 import reference_lookm as ref
 from conftest import image_ids
 from lookm_jax import METHODS, generate as gen, get_method
-from lookm_jax.cli import DEFAULT_IMAGES
-from lookm_jax.methods import BudgetMethod
+from lookm_jax.cli_args import DEFAULT_IMAGES
+from lookm_jax.methods import ScorerMethod
+from method_variants import DEFAULTS, VARIANTS, build, ids
 from lookm_jax.models import llama
 from lookm_jax.models.image_processing import CLIPImageProcessorConfig, preprocess_images
 from lookm_jax.scoring import STATISTICS, column_stats, mean_std_from_stats, scores_from_stats
 
-LOOKM_VARIANTS = [{"merge": None}, {"merge": "averaged"}, {"merge": "weighted"}, {"text_prior": False}]
-CONFIGS = [(name, {}) for name in METHODS] + [("lookm", v) for v in LOOKM_VARIANTS]
-# On the (slower) demo model: every method and every merge mode; the rest of the variants on tiny.
-DEMO_CONFIGS = [c for c in CONFIGS if c[1].get("merge", "pivotal") is not None and "text_prior" not in c[1]]
-
-
-def _ids(configs):
-    return [name + "".join(f"-{k}={v}" for k, v in params.items()) for name, params in configs]
+# On the (slower) demo model: every method and every merge mode; every variant on tiny.
+DEMO_CONFIGS = DEFAULTS + [v for v in VARIANTS if set(v[1]) == {"merge"} and v[1]["merge"] is not None]
+KEEPS_ALL_TEXT = ("lookm", {"keep_all_text": True, "merge": "pivotal"})  # may keep more than M + N
 
 
 def _method(name, budget, **params):
-    return get_method("full") if name == "full" else get_method(name, budget=budget, **params)
+    return build(name, params, budget=budget)
 
 
 def _check_sizes(result, method, new_tokens):
     """Cache bytes scale with (capacity + new) / (bucket + new); each head keeps M + N (or L) slots."""
     bucket, length = result.bucket, int(result.prompt_lengths[0])
     capacity = method.capacity(bucket)
-    if isinstance(method, BudgetMethod):
+    if isinstance(method, ScorerMethod):
         assert capacity == math.floor(method.alpha_recent * bucket) + math.floor(method.alpha_important * bucket)
         kept = math.floor(method.alpha_recent * length) + math.floor(method.alpha_important * length)
     else:
@@ -65,18 +61,19 @@ def tiny_prompt(tiny):
     return ids[None], pixels
 
 
-@pytest.mark.parametrize("name,params", CONFIGS, ids=_ids(CONFIGS))
+@pytest.mark.parametrize("name,params", VARIANTS, ids=ids(VARIANTS))
 def test_every_method_generates_on_tiny_llava(tiny, tiny_prompt, name, params):
     method = _method(name, 0.4, **params)
     result = tiny.run(*tiny_prompt, max_new_tokens=4, method=method)
-    _check_sizes(result, method, 4)
+    if (name, params) != KEEPS_ALL_TEXT:
+        _check_sizes(result, method, 4)
     assert result.bucket == 64 and (result.cache_bytes < result.full_cache_bytes) == (name != "full")
 
 
 @pytest.mark.parametrize("name", [m for m in METHODS if m != "full"])
 def test_budget_covering_prompt_without_merge_gives_full_tokens(tiny, tiny_prompt, name):
     full = tiny.run(*tiny_prompt, max_new_tokens=8)
-    params = {"alpha_recent": 1.0, "alpha_important": 1.0} | ({"merge": None} if name == "lookm" else {})
+    params = {"alpha_recent": 1.0, "alpha_important": 0.0} | ({"merge": None} if name == "lookm" else {})
     covering = tiny.run(*tiny_prompt, max_new_tokens=8, method=get_method(name, **params))
     np.testing.assert_array_equal(covering.tokens, full.tokens)
     assert covering.cache_bytes == full.cache_bytes
@@ -148,12 +145,8 @@ def test_prefill_attention_memory_is_linear_in_length():
 # ---- SmolLM2 demo ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LOOKM_CACHE", str(tmp_path_factory.mktemp("lookm_cache")))
-    model = lookm_jax.load_default()
-    mp.undo()
-    return model
+def demo():
+    return lookm_jax.load_default()  # from the session's temporary LOOKM_CACHE (conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +157,8 @@ def demo_prompt(demo):
     return demo.encode_chat("Write a haiku about the sea.", num_images=2), pixels
 
 
-@pytest.mark.parametrize("name,params", DEMO_CONFIGS, ids=_ids(DEMO_CONFIGS))
+@pytest.mark.slow
+@pytest.mark.parametrize("name,params", DEMO_CONFIGS, ids=ids(DEMO_CONFIGS))
 def test_every_method_generates_on_smollm2_demo(demo, demo_prompt, name, params):
     method = _method(name, 0.2, **params)
     result = demo.run(*demo_prompt, max_new_tokens=2, method=method)

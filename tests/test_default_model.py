@@ -2,62 +2,96 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import threading
+
 import numpy as np
 import pytest
 
 import lookm_jax
-from lookm_jax import cli
+from lookm_jax import cli, loading
 from lookm_jax.convert import store
+from lookm_jax.convert.gguf import smollm2_gguf_path
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("lookm_cache")
+def demo():
+    return lookm_jax.load_default()  # built once per session into the temporary LOOKM_CACHE (conftest.py)
 
 
-@pytest.fixture(scope="module")
-def cold_and_warm(cache):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LOOKM_CACHE", str(cache))
-    cold = lookm_jax.load_default()  # converts from the GGUF and caches
-    warm = lookm_jax.load_default()  # reads the converted cache
-    mp.undo()
-    return cold, warm
+def _demo_folder() -> str:
+    return os.path.join(loading.cache_dir(), f"{loading.DEMO_NAME}-{loading.demo_key(smollm2_gguf_path())}")
 
 
-def test_cached_demo_equals_fresh_conversion(cold_and_warm, cache):
-    cold, warm = cold_and_warm
-    assert store.is_converted(str(cache / "smollm2-135m-llava-demo"))
-    for key, value in store.flatten(cold.params).items():
-        np.testing.assert_array_equal(store.flatten(warm.params)[key], value, err_msg=key)
+def test_cached_demo_equals_fresh_conversion(demo):
+    assert store.is_converted(_demo_folder())
+    _, fresh, _ = loading.build_demo()
+    cached = store.flatten(demo.params)
+    for key, value in store.flatten(fresh).items():
+        np.testing.assert_array_equal(cached[key], value, err_msg=key)
 
 
-def test_demo_is_llava_shaped_with_untrained_vision(cold_and_warm):
-    _, model = cold_and_warm
-    assert model.is_multimodal and model.manifest["vision_untrained"]
-    assert model.config.image_token_id == model.tokenizer.token_to_id("<image>")
-    ids = model.encode_chat("hi", num_images=2)
-    assert (ids == model.config.image_token_id).sum() == 2 * model.config.image_seq_length
+def test_demo_is_llava_shaped_with_untrained_vision(demo):
+    assert demo.is_multimodal and demo.manifest["vision_untrained"]
+    assert demo.config.image_token_id == demo.tokenizer.token_to_id("<image>")
+    ids = demo.encode_chat("hi", num_images=2)
+    assert (ids == demo.config.image_token_id).sum() == 2 * demo.config.image_seq_length
 
 
-def test_demo_text_answer_is_coherent(cold_and_warm):
-    _, model = cold_and_warm
-    ids = model.encode_chat("What is the capital of France?")
-    assert "Paris" in model.decode_text(model.generate(ids, max_new_tokens=16)[0])
+def test_demo_text_answer_is_coherent(demo):
+    ids = demo.encode_chat("What is the capital of France?")
+    assert "Paris" in demo.decode_text(demo.generate(ids, max_new_tokens=16)[0])
 
 
-def test_stale_demo_cache_is_rebuilt(cold_and_warm, cache, monkeypatch):
-    monkeypatch.setenv("LOOKM_CACHE", str(cache))
-    monkeypatch.setattr(lookm_jax.loading, "DEMO_BUILD", -1)
-    assert lookm_jax.load_default().manifest["demo_build"].startswith("-1:")
+def test_demo_cache_is_keyed_by_content_and_build(tmp_path, demo):
+    """The key reads the GGUF's content, not its path or mtime; another build gets its own folder."""
+    copy = str(tmp_path / "copy.gguf")
+    shutil.copy(smollm2_gguf_path(), copy)
+    os.utime(copy, (0, 0))
+    assert loading.demo_key(copy) == loading.demo_key(smollm2_gguf_path())
+    with open(copy, "r+b") as f:
+        f.seek(os.path.getsize(copy) - 1)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    assert loading.demo_key(copy) != loading.demo_key(smollm2_gguf_path())
+    assert demo.manifest["demo_build"] == loading.demo_key(smollm2_gguf_path())
+    assert loading.demo_key(copy).startswith(f"{loading.DEMO_BUILD}-")
 
 
-def test_main_job_runs_offline(cold_and_warm, cache, monkeypatch, capsys):
-    monkeypatch.setenv("LOOKM_CACHE", str(cache))
+def test_concurrent_demo_builds_leave_one_complete_copy(tmp_path, monkeypatch):
+    """Two builders racing for the same cache folder: both succeed, the folder is complete, and no
+    staging folder is left behind."""
+    monkeypatch.setenv("LOOKM_CACHE", str(tmp_path))
+    manifest, params, tokenizer_json = loading.build_demo()
+    small = {"text": {"embed": params["text"]["embed"][:4]}}
+    monkeypatch.setattr(loading, "build_demo", lambda path=None: (manifest, small, tokenizer_json))
+    target = str(tmp_path / "demo")
+    errors = []
+
+    def build():
+        try:
+            loading._build_demo_cache(smollm2_gguf_path(), target)
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=build) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and store.is_converted(target)
+    assert os.listdir(tmp_path) == ["demo"]
+
+
+@pytest.mark.slow
+def test_main_job_runs_offline(capsys):
     assert cli.main(["generate", "--max-new-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert "UNTRAINED" in out and "answer:" in out and "with 2 image(s)" in out
     assert "512 image" in out and "ms/token" in out and "KV cache:" in out
+    assert "kept prompt + 4 new-token slots, of 768 bucket + 4 new-token slots" in out
 
 
 def test_cli_reports_a_clear_error(capsys):

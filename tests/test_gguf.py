@@ -51,6 +51,7 @@ def hf_tok(path):
     return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
+@pytest.mark.slow
 def test_tensors_equal_transformers_loader(ckpt, hf_parsed):
     hf = hf_parsed["tensors"]
     assert set(ckpt.tensors) == set(hf)

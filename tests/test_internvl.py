@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 import lookm_jax
-from lookm_jax import METHODS, get_method
+from method_variants import DEFAULTS, build
 from lookm_jax.convert.tables import CheckpointError
 from lookm_jax.models.config import ConfigError
 from lookm_jax.models.internvl import InternVLConfig, internvl_image_features
@@ -237,13 +237,13 @@ def test_greedy_generation_matches_hf(tiny, chat):
     np.testing.assert_array_equal(model.generate(ids, pixels, max_new_tokens=NEW_TOKENS), ref)
 
 
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", [name for name, _ in DEFAULTS])
 def test_every_method_runs_with_modality_counts_from_the_splice(tiny, chat, name):
     model = tiny[1]
     _, ids, pixels, tiles = chat
     length = ids.shape[1]
     n_image = sum(tiles) * PER_TILE
-    method = get_method("full") if name == "full" else get_method(name, budget=0.5)
+    method = build(name, {}, budget=0.5)
     result = model.run(ids, pixels, max_new_tokens=NEW_TOKENS, method=method)
     assert result.image_tokens[0] == n_image and result.prompt_lengths[0] == length
     kept = length if name == "full" else 2 * math.floor(0.25 * length)

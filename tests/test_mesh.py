@@ -10,6 +10,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # ~2 min: a second process compiling every check on 4 devices
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

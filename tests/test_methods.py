@@ -12,14 +12,15 @@ from hypothesis import given, settings
 
 import reference_lookm as ref
 from lookm_jax import METHODS, get_method
-from lookm_jax.methods import BudgetMethod, LookM
+from lookm_jax.methods import LookM, ScorerMethod
+from method_variants import DEFAULTS, VARIANTS, build, ids
 
 L = 24
 BUDGET = {"alpha_recent": 0.2, "alpha_important": 0.2}
 
 
 def _default(name, **kwargs):
-    return get_method(name, **kwargs) if name == "full" else get_method(name, **BUDGET, **kwargs)
+    return build(name, kwargs, **BUDGET)
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,23 +33,9 @@ def _run(method, q, k, v, is_image, valid):
     return _jitted(method)(method, *(jnp.asarray(x) for x in (q, k, v, is_image, valid)))
 
 
-CONFIGS = [
-    ("full", {}),
-    ("streamingllm", {}),
-    ("h2o", {}),
-    ("snapkv", {"window": 6}),
-    ("snapkv", {"window": None, "kernel_size": 5, "pooling": "avg"}),
-    ("roco", {}),
-    ("roco", {"std_weight": 1.0}),
-    ("lookm", {}),
-    ("lookm", {"text_prior": False, "merge": None}),
-    ("lookm", {"merge": "averaged", "similarity_filter": True}),
-    ("lookm", {"merge": "weighted", "text_prior": False, "n_sink": 4}),
-    ("lookm", {"keep_all_text": True, "merge": "pivotal"}),
-]
 
 
-@pytest.mark.parametrize("name,params", CONFIGS, ids=[f"{n}-{p}" for n, p in CONFIGS])
+@pytest.mark.parametrize("name,params", VARIANTS, ids=ids(VARIANTS))
 def test_matches_reference(name, params):
     inputs = ref.make_inputs(0, length=L, lengths=[L, 15])
     method = _default(name, **params)
@@ -61,14 +48,14 @@ def test_matches_reference(name, params):
 
 
 @pytest.mark.parametrize("hkv", [1, 4])
-@pytest.mark.parametrize("name", METHODS)
-def test_gqa_matches_reference(name, hkv):
+@pytest.mark.parametrize("name,params", VARIANTS, ids=ids(VARIANTS))
+def test_gqa_matches_reference(name, params, hkv):
     """1 and all KV heads (2 is covered above) with 4 query heads: group-averaged scores."""
     inputs = ref.make_inputs(1, hkv=hkv, length=16, lengths=[16, 11])
-    ref.check_against(_run(_default(name), *inputs), ref.run_method(name, BUDGET, *inputs))
+    ref.check_against(_run(_default(name, **params), *inputs), ref.run_method(name, {**BUDGET, **params}, *inputs))
 
 
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", [name for name, _ in DEFAULTS])
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), lengths=st.lists(st.integers(1, L), min_size=2, max_size=2))
 def test_budget_and_padding(name, seed, lengths):
@@ -85,7 +72,7 @@ def test_budget_and_padding(name, seed, lengths):
     chex.assert_trees_all_equal(out, _run(method, *noisy, is_image, valid))
     pos, mask = np.asarray(out.positions), np.asarray(out.mask)
     for b, n_b in enumerate(lengths):
-        if isinstance(method, BudgetMethod):
+        if isinstance(method, ScorerMethod):
             m_b, total = ref.budget(0.2, n_b), 2 * ref.budget(0.2, n_b)
             tail = total - min(4, total) if name == "streamingllm" else m_b
         else:
@@ -99,18 +86,18 @@ def test_budget_and_padding(name, seed, lengths):
 
 @pytest.mark.parametrize("name", [m for m in METHODS if m != "full"])
 def test_budget_at_least_prompt_without_merge_is_full_cache(name):
-    """alpha_recent + alpha_important >= 1 with merging off: bit-for-bit the full cache."""
-    params = {"alpha_recent": 1.0, "alpha_important": 1.0} | ({"merge": None} if name == "lookm" else {})
+    """A budget of 1 (all of it recent) with merging off: bit-for-bit the full cache."""
+    params = {"alpha_recent": 1.0, "alpha_important": 0.0} | ({"merge": None} if name == "lookm" else {})
     method = get_method(name, **params)
     inputs = ref.make_inputs(2, length=L, lengths=[L, 10])
     assert method.capacity(L) == L
     chex.assert_trees_all_equal(_run(method, *inputs), _run(get_method("full"), *inputs))
 
 
-@pytest.mark.parametrize("name", METHODS)
-def test_ragged_row_equals_row_alone(name):
+@pytest.mark.parametrize("name,params", VARIANTS, ids=ids(VARIANTS))
+def test_ragged_row_equals_row_alone(name, params):
     """A right-padded row of a batch gets the same cache as the same row run alone, unpadded."""
-    method = _default(name)
+    method = _default(name, **params)
     q, k, v, is_image, valid = ref.make_inputs(3, length=L, lengths=[L, 13])
     batch = _run(method, q, k, v, is_image, valid)
     alone = _run(method, *(x[1:, ..., :13, :] for x in (q, k, v)), is_image[1:, :13], valid[1:, :13])

@@ -1,4 +1,4 @@
-"""Prefill once / compress per method (generate.py, Model.generate_methods) and the needle benchmark."""
+"""Prefill once / compress per method (generate.py, sweep.generate_methods) and the needle benchmark."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 import lookm_jax
 from conftest import IMAGE_TOKEN, image_ids
-from lookm_jax import generate as gen, get_method
+from lookm_jax import generate as gen, get_method, sweep
 from lookm_jax.eval import needle
 from lookm_jax.methods import Method
 from lookm_jax.scoring import STATISTICS
@@ -57,12 +57,12 @@ def prefilled(tiny, ragged_batch):
 def test_one_prefill_gives_every_method_the_cache_and_tokens_of_run(tiny, ragged_batch, prefilled):
     """On ragged rows with images, one shared prefill gives each method the cache that
     `Model.run(..., method=m)` decodes from (same kept positions, keys, values, cursor, first token),
-    and `Model.generate_methods` the same greedy tokens as `Model.run`, with the methods decoded
+    and `sweep.generate_methods` the same greedy tokens as `Model.run`, with the methods decoded
     together in chunks of two methods (4 rows) and one."""
     ids, pixels, mask = ragged_batch
     args, prefilled = prefilled
     chex.assert_shape(prefilled.keys, (2, 2, 2, 64, 12))  # [N, B, Hkv, L, D]
-    shared_tokens = tiny.generate_methods(ids, pixels, mask, max_new_tokens=NEW, methods=list(METHODS.values()),
+    shared_tokens = sweep.generate_methods(tiny, ids, pixels, mask, max_new_tokens=NEW, methods=list(METHODS.values()),
                                           max_decode_rows=4)
     for (name, method), tokens in zip(METHODS.items(), shared_tokens):
         np.testing.assert_array_equal(tokens, tiny.run(ids, pixels, mask, NEW, method=method).tokens, err_msg=name)
@@ -195,6 +195,7 @@ def tiny_with_tokenizer(tiny):
     return dataclasses.replace(tiny, tokenizer=tokenizer, _compiled={})
 
 
+@pytest.mark.slow
 def test_sweep_rows_match_run_and_a_rerun_resumes(tiny_with_tokenizer, tmp_path):
     model = tiny_with_tokenizer
     configs = needle.sweep_configs(["h2o"], [0.3])

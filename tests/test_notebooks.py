@@ -12,6 +12,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+pytestmark = pytest.mark.slow  # each notebook starts a kernel and loads the demo model
+
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 KERNEL = "lookm-test-python"
 

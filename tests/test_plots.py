@@ -13,7 +13,7 @@ import torch
 
 import lookm_jax
 from conftest import image_ids, tiny_llava
-from lookm_jax import cli, plots
+from lookm_jax import cli, cli_args, plots
 from lookm_jax.analysis import attention_received, modality_summary
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -136,7 +136,7 @@ def test_plot_sweep_reports_a_missing_file(tmp_path, capsys):
 
 def test_plot_attention_on_the_demo_model(tmp_path, capsys):
     out = tmp_path / "attention.png"
-    assert cli.main(["plot", "attention", "--image", cli.DEFAULT_IMAGES[1], "--prompt", "Describe it.",
+    assert cli.main(["plot", "attention", "--image", cli_args.DEFAULT_IMAGES[1], "--prompt", "Describe it.",
                      "--output", str(out)]) == 0
     assert png_size(out) == tuple(round(x * plots.DPI) for x in plots.ATTENTION_INCHES)
     printed = capsys.readouterr().out

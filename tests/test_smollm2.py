@@ -11,6 +11,8 @@ import torch
 import lookm_jax
 from lookm_jax.convert.gguf import smollm2_gguf_path
 
+pytestmark = pytest.mark.slow  # real weights through transformers as well as ours
+
 LOGIT_REL_TOL = 1e-3
 PROMPT = ("The city of Lyon sits where two rivers meet; its old town is known for silk weaving, "
           "traboules and food. ") * 12 + "Question: what is Lyon known for? Answer:"

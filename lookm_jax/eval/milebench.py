@@ -29,6 +29,7 @@ import time
 
 import numpy as np
 
+from lookm_jax.cli_args import DTYPES, add_method_arguments, method_from_args
 from lookm_jax.eval.milebench_scoring import QUESTION_TYPES, choice_letters, normalize, score
 
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -369,7 +370,6 @@ def cmd_milebench(args) -> int:
     import jax.numpy as jnp
 
     import lookm_jax
-    from lookm_jax.cli import _method_from_args
 
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
@@ -377,12 +377,12 @@ def cmd_milebench(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     names = args.datasets or find_datasets(args.root, args.adv)
     samples = [s for name in names for s in load_dataset(args.root, name, args.adv, args.limit)]
-    method = _method_from_args(args)
+    method = method_from_args(args)
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     model = lookm_jax.load(args.model, dtype) if args.model else lookm_jax.load_default(dtype)
     if not model.is_multimodal:
         raise ValueError("MileBench needs a multimodal (LLaVA) model; this one is text-only")
-    if hasattr(model.config, "expand_image_markers"):  # as Model.encode_chat tells tiling models apart
+    if model.processor.tiling:
         raise ValueError("tiling models (HF-format InternVL) are not supported by the MileBench harness yet: "
                          "their image token counts depend on each image's tiles")
     max_prompt = max(model.buckets) if args.max_prompt_tokens is None else args.max_prompt_tokens
@@ -403,15 +403,13 @@ def cmd_milebench(args) -> int:
 
 
 def add_parser(subparsers) -> None:
-    from lookm_jax.cli import add_method_arguments
-
     p = subparsers.add_parser("milebench", help="evaluate a method on MileBench (downloaded separately)",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("root", help="MileBench folder: ROOT/<Dataset>/<Dataset>.json and ROOT/<Dataset>/images/")
     p.add_argument("--datasets", nargs="+", help="dataset names (default: every one present under ROOT)")
     p.add_argument("--adv", action="store_true", help="the adversarial variant (<Dataset>-adv.json)")
     p.add_argument("--model", help="HF llava checkpoint folder or converted folder (default: the embedded demo model)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter and activation dtype")
     add_method_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=512, help="MileBench's setting: 512")
     p.add_argument("--max-prompt-tokens", type=int,

@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 
+from lookm_jax.cli_args import DEFAULT_IMAGES
+
 # SmolLM2's chat template with its default system prompt adds 30 tokens around the user turn.
 CHAT_TEMPLATE_TOKENS = 30
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -216,8 +218,6 @@ def _pixel_values(model, num_images: int) -> np.ndarray | None:
     """The bundled pictures, cycled, as [num_images, 3, H, W] (noise to the demo's untrained tower)."""
     if num_images == 0:
         return None
-    from lookm_jax.cli import DEFAULT_IMAGES
-
     pictures, _ = model.preprocess_images(DEFAULT_IMAGES)
     return pictures[np.arange(num_images) % len(pictures)]
 
@@ -228,9 +228,11 @@ def run_sweep(model, configs: list[SweepConfig], lengths, n: int, seed: int, jso
     """Answer n needle samples per length with every config, appending per-sample rows to
     `jsonl_path` as each batch finishes; rows already there (same seed, images, length, sample,
     config) are skipped, so a rerun resumes. Each batch of `batch_size` samples is prefilled once
-    (`Model.generate_methods`); greedy decoding; the full cache always runs, as fidelity's reference.
+    (`sweep.generate_methods`); greedy decoding; the full cache always runs, as fidelity's reference.
     `first_sample` > 0 skips the samples before it (to split a sweep over processes, each with its
     own JSONL). Returns every row of the file for these settings."""
+    from lookm_jax import sweep
+
     if configs[0] != SweepConfig("full", 1.0):
         raise ValueError("configs must start with the full cache (fidelity's reference)")
     image_seq_length = 0 if text_only else model.config.image_seq_length
@@ -256,7 +258,7 @@ def run_sweep(model, configs: list[SweepConfig], lengths, n: int, seed: int, jso
         for r, e in enumerate(encoded):
             ids[r, :len(e)], mask[r, :len(e)] = e, True
         pixels = _pixel_values(model, images * len(batch))
-        outputs = model.generate_methods(ids, pixels, mask, max_new_tokens, methods=methods,
+        outputs = sweep.generate_methods(model, ids, pixels, mask, max_new_tokens, methods=methods,
                                          max_decode_rows=max_decode_rows)
         reference = outputs[0]
         lines = []
@@ -364,11 +366,12 @@ def add_parser(subparsers) -> None:
                         "1024 and 1280 at the default image fraction)")
     p.add_argument("--samples", type=int, default=52,
                    help="samples per length, each config answers all (a multiple of --batch-size compiles once)")
-    p.add_argument("--budgets", type=float, nargs="+", default=list(DEFAULT_BUDGETS))
+    p.add_argument("--budgets", type=float, nargs="+", default=list(DEFAULT_BUDGETS),
+                   help="kept fractions of the prompt, each in (0, 1]")
     p.add_argument("--methods", nargs="+", help="methods to sweep (default: all; lookm = its 8 variants)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the haystacks and needles")
     p.add_argument("--batch-size", type=int, default=4, help="samples prefilled together")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens per answer")
     p.add_argument("--max-decode-rows", type=int, default=16, help="rows per shared decode call")
     p.add_argument("--text-only", action="store_true", help="no images (plain-text haystacks)")
     p.add_argument("--image-fraction", type=float, default=0.75, help="share of the prompt's tokens in images")

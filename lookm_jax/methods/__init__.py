@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from lookm_jax.methods.base import AttentionMethod, BudgetMethod, Method
+import dataclasses
+import numbers
+
+from lookm_jax.errors import InputError
+from lookm_jax.methods.base import Method, ScorerMethod
 from lookm_jax.methods.full import Full
 from lookm_jax.methods.h2o import H2O
 from lookm_jax.methods.lookm import LookM
@@ -21,23 +25,40 @@ _REGISTRY: dict[str, type[Method]] = {
 METHODS: tuple[str, ...] = tuple(_REGISTRY)
 
 
-def get_method(name: str, *, budget: float | None = None, **kwargs) -> Method:
-    """Build a method by name; kwargs are its dataclass fields.
+def parameters(name: str) -> dict[str, object]:
+    """A method's parameters (its dataclass fields) and their defaults, in declaration order."""
+    return {f.name: f.default for f in dataclasses.fields(method_class(name))}
 
-    ``budget`` (every method but "full"): the kept fraction of the prompt, split evenly into
-    alpha_recent = alpha_important = budget / 2 (so M + N may be one slot under budget * L).
-    """
+
+def method_class(name: str) -> type[Method]:
+    """The class registered as `name`."""
     if name not in _REGISTRY:
-        raise ValueError(f"unknown method {name!r}; known: {', '.join(METHODS)}")
-    cls = _REGISTRY[name]
+        raise InputError(f"unknown method {name!r}; known: {', '.join(METHODS)}")
+    return _REGISTRY[name]
+
+
+def get_method(name: str, *, budget: float | None = None, **kwargs) -> Method:
+    """Build a method by name; kwargs are its dataclass fields (``parameters(name)``).
+
+    ``budget`` (every method but "full"): the kept fraction of the prompt, in (0, 1], split evenly
+    into alpha_recent = alpha_important = budget / 2 (so M + N may be one slot under budget * L).
+    """
+    cls = method_class(name)
+    accepted = parameters(name)
+    unknown = sorted(kwargs.keys() - accepted.keys()) + (["budget"] if budget is not None and
+                                                          not issubclass(cls, ScorerMethod) else [])
+    if unknown:
+        raise InputError(f"method {name!r} takes no {', '.join(unknown)} (its parameters: "
+                         f"{', '.join(accepted) or 'none'})")
     if budget is not None:
-        if not issubclass(cls, BudgetMethod):
-            raise ValueError(f"method {name!r} takes no budget")
+        if not isinstance(budget, numbers.Real) or isinstance(budget, bool) or not 0 < budget <= 1:
+            shown = f"{budget:g}" if isinstance(budget, numbers.Real) else repr(budget)  # as typed: -1, not -1.0
+            raise InputError(f"budget must be a fraction in (0, 1], got {shown}")
         if {"alpha_recent", "alpha_important"} & kwargs.keys():
-            raise ValueError("give either budget or alpha_recent / alpha_important, not both")
+            raise InputError("give either budget or alpha_recent / alpha_important, not both")
         kwargs.update(alpha_recent=budget / 2, alpha_important=budget / 2)
     return cls(**kwargs)
 
 
-__all__ = ["METHODS", "AttentionMethod", "BudgetMethod", "Full", "H2O", "LookM", "Method", "RoCo", "SnapKV",
-           "StreamingLLM", "get_method"]
+__all__ = ["METHODS", "Full", "H2O", "LookM", "Method", "RoCo", "ScorerMethod", "SnapKV", "StreamingLLM",
+           "get_method", "method_class", "parameters"]

@@ -1,18 +1,26 @@
-"""The method contract: a frozen (hashable, hence jit-static) dataclass called once per layer."""
+"""The method contract, and the scorer base every budget method derives from.
+
+A method is a frozen (hashable, hence jit-static) dataclass called once per layer. A
+``ScorerMethod`` subclass writes only ``score``: the base validates the budgets and the selection
+spec once, at construction, and does capacity, per-row budgets and ``compress_kv`` (as kvpress's
+``ScorerPress`` subclasses only compute scores).
+"""
 
 from __future__ import annotations
 
 import abc
 import dataclasses
 import math
+import numbers
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lookm_jax.compress import CompressedKV
-from lookm_jax.scoring import SUMS, column_stats
+from lookm_jax.compress import CompressedKV, SelectionSpec, compress_kv
+from lookm_jax.errors import InputError
+from lookm_jax.scoring import column_stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +51,9 @@ class Method(abc.ABC):
         may read any query. A shared prefill (``generate.prefill_states``) keeps only those."""
         return None
 
+    def check_prompt_lengths(self, lengths: np.ndarray) -> None:
+        """Refuse (``InputError``) prompts of these real lengths [B] that the method cannot compress."""
+
 
 def floor_fraction(alpha: float, valid: jax.Array) -> jax.Array:
     """[B] int32 floor(alpha * L_b) of each row's valid length, exactly as Python's int(alpha * L).
@@ -53,20 +64,56 @@ def floor_fraction(alpha: float, valid: jax.Array) -> jax.Array:
     return jnp.asarray(table)[valid.sum(-1)]
 
 
-@dataclasses.dataclass(frozen=True)
-class BudgetMethod(Method):
-    """A method that keeps M = floor(alpha_recent * L) + N = floor(alpha_important * L) slots per row.
+def _is_fraction(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and 0 <= x <= 1
 
-    L is each row's own valid length; the static capacity uses the bucket length.
+
+@dataclasses.dataclass(frozen=True)
+class ScorerMethod(Method):
+    """Keeps M = floor(alpha_recent * L) recent + N = floor(alpha_important * L) top-scored slots per row.
+
+    L is each row's own valid length; the static capacity uses the bucket length. Each alpha is a
+    fraction in [0, 1] and their sum, the kept fraction of the prompt, lies in (0, 1].
+
+    Subclasses implement ``score``; they may override ``selection`` (text-prior, merging, sinks:
+    one ``SelectionSpec``), ``slots`` (how M + N splits into recent and ranked slots) and
+    ``queries_read`` (a score that reads queries other than through ``stats``). A method that
+    declares ``statistics`` gets them computed from queries and keys (``scoring.column_stats``, in
+    query blocks of ``block`` rows) when called without ``stats``; ``block`` is also the token
+    block of the merge's similarity scan.
     """
 
     alpha_recent: float = 0.1
     alpha_important: float = 0.1
+    block: int = 128
 
     def __post_init__(self):
-        if self.alpha_recent < 0 or self.alpha_important < 0:
-            raise ValueError(f"budget fractions must be >= 0, got {self.alpha_recent}, {self.alpha_important}")
+        if not (_is_fraction(self.alpha_recent) and _is_fraction(self.alpha_important)
+                and 0 < self.alpha_recent + self.alpha_important <= 1):
+            raise InputError(f"alpha_recent={self.alpha_recent!r} and alpha_important={self.alpha_important!r} "
+                             "must be fractions in [0, 1] whose sum (the kept fraction of the prompt) is in (0, 1]")
+        if not isinstance(self.block, int) or self.block < 1:
+            raise InputError(f"block must be an int >= 1, got {self.block!r}")
+        self.selection()  # validates the spec
 
+    # ---- what a subclass writes ----------------------------------------------------------------
+    @abc.abstractmethod
+    def score(self, queries, keys, valid, stats, n_recent) -> jax.Array:
+        """-> [B, Hkv, L] float, higher = keep. queries [B, Hq, L, D], keys [B, Hkv, L, D], valid [B, L],
+        stats {name: [B, Hkv, G, L]} (the declared ``statistics``), n_recent [B] int32 (M per row)."""
+
+    def selection(self) -> SelectionSpec:
+        """Default: rank by score alone (no text-prior), evict without merging."""
+        return SelectionSpec()
+
+    def slots(self, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(recent window, ranked slots) per row, each [B] int32; default (M, N)."""
+        return self.budgets(valid)
+
+    def queries_read(self, bucket_len: int) -> int:
+        return 0  # the score reads queries only through ``stats``
+
+    # ---- what the base does --------------------------------------------------------------------
     def capacity(self, bucket_len: int) -> int:
         total = math.floor(self.alpha_recent * bucket_len) + math.floor(self.alpha_important * bucket_len)
         return min(bucket_len, total)
@@ -75,30 +122,29 @@ class BudgetMethod(Method):
         """Per-row (M, N), each [B] int32."""
         return floor_fraction(self.alpha_recent, valid), floor_fraction(self.alpha_important, valid)
 
-
-@dataclasses.dataclass(frozen=True)
-class AttentionMethod(BudgetMethod):
-    """A budget method that ranks tokens by column statistics of the prompt's attention.
-
-    Subclasses set ``statistics`` and implement ``compress_from_stats``. Called without ``stats``
-    (standalone use), the statistics are computed from queries and keys by
-    ``scoring.column_stats`` in query blocks of ``block`` rows (static).
-    """
-
-    statistics: ClassVar[tuple[str, ...]] = (SUMS,)
-    block: int = 128
+    def check_prompt_lengths(self, lengths: np.ndarray) -> None:
+        """Every row must keep a slot: floor(alpha_recent * L) + floor(alpha_important * L) >= 1."""
+        shortest = int(np.min(lengths))
+        if math.floor(self.alpha_recent * shortest) + math.floor(self.alpha_important * shortest) >= 1:
+            return
+        # The smallest budget b (split evenly) with floor(b / 2 * L) >= 1, rounded up to 4 decimals.
+        smallest = math.ceil(2 / shortest * 1e4) / 1e4
+        raise InputError(
+            f"budget {self.alpha_recent + self.alpha_important:g} (alpha_recent={self.alpha_recent:g}, "
+            f"alpha_important={self.alpha_important:g}) keeps no slot of a {shortest}-token prompt; the smallest "
+            f"budget that keeps one is {smallest:g} (or one alpha of {math.ceil(1 / shortest * 1e4) / 1e4:g})")
 
     def __call__(self, queries, keys, values, is_image, valid, stats=None) -> CompressedKV:
-        if stats is None:
-            stats = column_stats(queries, keys, valid, self.statistics, block=self.block)
-        missing = set(self.statistics) - set(stats)
-        if missing:
-            raise ValueError(f"{type(self).__name__} needs attention statistics {sorted(missing)}")
-        return self.compress_from_stats(keys, values, is_image, valid, stats)
-
-    def queries_read(self, bucket_len: int) -> int:
-        return 0  # the statistics say all it needs
-
-    @abc.abstractmethod
-    def compress_from_stats(self, keys, values, is_image, valid, stats) -> CompressedKV:
-        """keys/values [B, Hkv, L, D], is_image/valid [B, L], stats {name: [B, Hkv, G, L]}."""
+        if self.statistics:
+            if stats is None:
+                stats = column_stats(queries, keys, valid, self.statistics, block=self.block)
+            missing = set(self.statistics) - set(stats)
+            if missing:
+                raise ValueError(f"{type(self).__name__} needs attention statistics {sorted(missing)}")
+        n_recent, n_important = self.slots(valid)
+        m, _ = self.budgets(valid)
+        return compress_kv(
+            keys, values, self.score(queries, keys, valid, stats, m), is_image=is_image, valid=valid,
+            n_recent=n_recent, n_important=n_important, **dataclasses.asdict(self.selection()),
+            capacity=self.capacity(keys.shape[2]), block=self.block,
+        )

@@ -5,20 +5,25 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from lookm_jax.compress import CompressedKV, compress_kv
-from lookm_jax.methods.base import BudgetMethod
+from lookm_jax.errors import InputError
+from lookm_jax.methods.base import ScorerMethod
 from lookm_jax.scoring import window_scores
 from lookm_jax.select import recent_mask
 
 
 @dataclasses.dataclass(frozen=True)
-class SnapKV(BudgetMethod):
+class SnapKV(ScorerMethod):
     """Recent M + top N by pooled observation-window attention.
 
     window: W, the last W valid queries of each row vote (SnapKV default 32); None uses W = M per
       row, as LOOK-M's own SnapKV runs did (with kernel_size=5, pooling="avg").
     kernel_size, pooling: odd pooling width and "max" | "avg" (SnapKV default: max, 7).
     The votes go to the tokens outside the recent window only, as SnapKV scores its prefix.
+
+    Deviation from the original: SnapKV's kept window is its observation window (M = W), and only
+    the prefix before it is scored. Here M (alpha_recent) and W are independent; when M < W the
+    candidates at [L - W, L - M) are inside the observation window and vote for themselves
+    (causal attention includes the diagonal). window=None (W = M) is the original arrangement.
     """
 
     window: int | None = 32
@@ -27,25 +32,18 @@ class SnapKV(BudgetMethod):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.kernel_size % 2 != 1 or self.pooling not in ("max", "avg"):
-            raise ValueError(f"need an odd kernel_size and pooling 'max' | 'avg', got {self.kernel_size}, {self.pooling!r}")
-        if self.window is not None and self.window < 1:
-            raise ValueError(f"window must be >= 1 or None, got {self.window}")
+        if not isinstance(self.kernel_size, int) or self.kernel_size % 2 != 1 or self.pooling not in ("max", "avg"):
+            raise InputError(f"need an odd kernel_size and pooling 'max' | 'avg', got {self.kernel_size}, "
+                             f"{self.pooling!r}")
+        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
+            raise InputError(f"window must be an int >= 1 or None, got {self.window!r}")
 
     def queries_read(self, bucket_len: int) -> int:
         """W, or with window=None the largest per-row M = floor(alpha_recent * L) for this bucket."""
         return self.window if self.window is not None else max(1, math.floor(self.alpha_recent * bucket_len))
 
-    def __call__(self, queries, keys, values, is_image, valid, stats=None) -> CompressedKV:
-        m, n = self.budgets(valid)
-        length = keys.shape[2]
-        window = m if self.window is None else self.window
-        max_window = self.queries_read(length)
-        scores = window_scores(
-            queries, keys, valid, valid & ~recent_mask(valid, m), window,
-            max_window=max_window, kernel_size=self.kernel_size, pooling=self.pooling,
-        )
-        return compress_kv(
-            keys, values, scores, is_image=is_image, valid=valid, n_recent=m, n_important=n,
-            text_prior=False, capacity=self.capacity(length),
-        )
+    def score(self, queries, keys, valid, stats, n_recent):
+        window = n_recent if self.window is None else self.window
+        return window_scores(queries, keys, valid, valid & ~recent_mask(valid, n_recent), window,
+                             max_window=self.queries_read(keys.shape[2]), kernel_size=self.kernel_size,
+                             pooling=self.pooling)

@@ -6,29 +6,33 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from lookm_jax.compress import CompressedKV, compress_kv
-from lookm_jax.methods.base import BudgetMethod
+from lookm_jax.compress import SelectionSpec
+from lookm_jax.methods.base import ScorerMethod
 
 
 @dataclasses.dataclass(frozen=True)
-class StreamingLLM(BudgetMethod):
+class StreamingLLM(ScorerMethod):
     """Keeps the first ``n_sink`` valid tokens and the most recent ones.
 
     The budget M + N (alpha_recent, alpha_important) is the same as every other method's, so
     methods compare at equal cache size: the sinks take min(n_sink, M + N) of it and the recent
     window the rest. Scores play no part.
+
+    Deviation from the original: StreamingLLM re-assigns RoPE positions within its rolling cache
+    (sinks at 0.., the window right after them); here every kept key keeps the rotation of its
+    original prompt position and decoding continues at the prompt's length, as for every other
+    method, so the methods differ only in which slots they keep.
     """
 
     n_sink: int = 4
 
-    def queries_read(self, bucket_len: int) -> int:
-        return 0
+    def selection(self) -> SelectionSpec:
+        return SelectionSpec(n_sink=self.n_sink)
 
-    def __call__(self, queries, keys, values, is_image, valid, stats=None) -> CompressedKV:
+    def slots(self, valid):
         m, n = self.budgets(valid)
         sinks = jnp.minimum(self.n_sink, m + n)
-        return compress_kv(
-            keys, values, jnp.zeros(keys.shape[:3], jnp.float32), is_image=is_image, valid=valid,
-            n_recent=m + n - sinks, n_important=sinks, text_prior=False, n_sink=self.n_sink,
-            capacity=self.capacity(keys.shape[2]),
-        )
+        return m + n - sinks, sinks
+
+    def score(self, queries, keys, valid, stats, n_recent):
+        return jnp.zeros(keys.shape[:3], jnp.float32)

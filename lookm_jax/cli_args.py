@@ -1,0 +1,88 @@
+"""Command-line arguments shared by the `lookm` commands, and the demo's default inputs.
+
+A library module: `lookm_jax.cli` and the command modules of its groups (`eval/`, `plots.py`) import
+it, never the other way round. Nothing here imports jax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from lookm_jax.errors import InputError
+
+DEFAULT_PROMPT = "Write a haiku about the sea."
+ASSETS = os.path.join(os.path.dirname(__file__), "assets")
+DEFAULT_IMAGES = [os.path.join(ASSETS, "landscape.png"), os.path.join(ASSETS, "apple.png")]
+DTYPES = ("float32", "bfloat16")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: ...)" to every option's help, unless the help already says its default
+    (options whose default is None describe what their absence means)."""
+
+    def _get_help_string(self, action):
+        return action.help if "default" in (action.help or "") else super()._get_help_string(action)
+
+
+def add_method_arguments(parser: argparse.ArgumentParser) -> None:
+    """--method/--budget/--alpha-recent/--alpha-important/--merge, read back by `method_from_args`."""
+    parser.add_argument("--method", default="full", help="KV-cache method (`lookm methods` lists them)")
+    parser.add_argument("--budget", type=float,
+                        help="kept fraction of the prompt in (0, 1], split evenly recent/important "
+                             "(default: the method's own alphas)")
+    parser.add_argument("--alpha-recent", type=float, help="kept fraction for the recent window (default: the method's)")
+    parser.add_argument("--alpha-important", type=float,
+                        help="kept fraction for the top-scored tokens (default: the method's)")
+    parser.add_argument("--merge", choices=("none", "averaged", "pivotal", "weighted"),
+                        help="LOOK-M's merge of evicted pairs (default: the method's)")
+
+
+def method_from_args(args):
+    """The method the arguments name; every option given reaches `get_method`, which refuses what
+    the method does not take (e.g. a budget for `full`)."""
+    from lookm_jax.methods import get_method
+
+    given = {"budget": args.budget, "alpha_recent": args.alpha_recent, "alpha_important": args.alpha_important,
+             "merge": args.merge}
+    kwargs = {k: v for k, v in given.items() if v is not None}
+    if kwargs.get("merge") == "none":
+        kwargs["merge"] = None
+    return get_method(args.method, **kwargs)
+
+
+def add_prompt_arguments(parser: argparse.ArgumentParser, images: bool = True) -> None:
+    """--model, --image (when `images`), --prompt / --prompt-file: the input of one chat turn."""
+    parser.add_argument("--model", help="HF llava/llama checkpoint folder, converted folder, or .gguf file "
+                                        "(default: the embedded SmolLM2 demo model)")
+    if images:
+        parser.add_argument("--image", action="append",
+                            help="image file, repeatable (default: the demo model's two bundled pictures; none for --model)")
+    prompt = parser.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default=DEFAULT_PROMPT, help="text of the user turn")
+    prompt.add_argument("--prompt-file", help="read the user turn from this file, '-' for standard input (default: use --prompt)")
+
+
+def read_prompt(args) -> str:
+    """The user turn: --prompt-file's text (a file, or stdin for '-'), else --prompt."""
+    if args.prompt_file is None:
+        return args.prompt
+    if args.prompt_file == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as err:
+            raise InputError(f"--prompt-file {args.prompt_file}: cannot be read as UTF-8 text ({err})") from None
+    if not text.strip():
+        raise InputError(f"--prompt-file {args.prompt_file}: the prompt is empty")
+    return text
+
+
+def default_images(args, model) -> list[str]:
+    """--image as given; else the bundled pictures for the demo model; no images for --model."""
+    if args.image is not None:
+        return args.image
+    return DEFAULT_IMAGES if model.is_multimodal and not args.model else []

@@ -1,0 +1,145 @@
+"""Checks of what a caller hands the `Model` API, done once where it enters.
+
+`prepare` is the one gate of `Model.run` and `sweep.generate_methods` (`Model.logits` uses its
+pieces): token ids, padding mask, prompt bucket, context length, method budgets and pixel values.
+Each refusal is an `InputError` naming the value and the accepted range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lookm_jax import generate as gen
+from lookm_jax.errors import InputError, PromptTooLongError
+from lookm_jax.models import llava
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """A checked, right-padded batch of prompts."""
+    ids: np.ndarray  # [B, bucket] int32
+    valid: np.ndarray  # [B, bucket] bool, True = real token
+    pixel_values: jax.Array | None  # [units, C, H, W] in the model's dtype
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """[B] real tokens per row."""
+        return self.valid.sum(1)
+
+
+def check_max_new_tokens(max_new_tokens) -> None:
+    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+
+
+def token_ids(config, input_ids, attention_mask=None) -> tuple[np.ndarray, np.ndarray]:
+    """-> (ids [B, L] int32, mask [B, L] bool). Refuses non-integer ids and, at real (unmasked)
+    positions, ids outside [0, vocab_size) other than the image placeholder."""
+    ids = np.asarray(input_ids)
+    if ids.dtype.kind not in "iu":
+        raise InputError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
+    if ids.ndim != 2:
+        raise InputError(f"input_ids must be [batch, length], got shape {ids.shape}")
+    mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
+    if mask.shape != ids.shape:
+        raise InputError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
+    vocab = llava.text_config(config).vocab_size
+    outside = mask & ((ids < 0) | (ids >= vocab))
+    placeholder = config.image_token_id if llava.is_multimodal(config) else None
+    if placeholder is not None:
+        outside &= ids != placeholder
+    if outside.any():
+        row, col = np.argwhere(outside)[0]
+        also = "" if placeholder is None else f" or the image placeholder {placeholder}"
+        raise InputError(f"input_ids hold {int(outside.sum())} id(s) outside the vocabulary [0, {vocab}){also}: "
+                         f"first {int(ids[row, col])} at row {row}, position {col}")
+    return ids.astype(np.int32), mask
+
+
+def suggest_bucket(length: int) -> int:
+    """The smallest bucket >= length continuing the default table (2^k and 1.5 x 2^k)."""
+    k = max(length - 1, 1).bit_length() - 1  # 2^k < length <= 2^(k+1)
+    return (3 << (k - 1)) if k and length <= (3 << (k - 1)) else 2 << k
+
+
+def check_bucket(length: int, buckets: Sequence[int]) -> None:
+    if length > max(buckets):
+        bucket = suggest_bucket(length)
+        raise PromptTooLongError(
+            f"prompt of {length} tokens is longer than the largest bucket ({max(buckets)}); add a bucket: "
+            f"`--buckets {bucket}` on the command line, or `model.buckets = (*model.buckets, {bucket})`")
+
+
+def check_context(text_config, length: int, max_new_tokens: int, ignore_context_limit: bool) -> None:
+    """prompt + new tokens must fit max_position_embeddings, unless deliberately overridden."""
+    limit = text_config.max_position_embeddings
+    if length + max_new_tokens > limit and not ignore_context_limit:
+        raise InputError(
+            f"prompt of {length} tokens + max_new_tokens={max_new_tokens} = {length + max_new_tokens} positions "
+            f"exceed the model's context length ({limit}, max_position_embeddings); shorten them, or pass "
+            "ignore_context_limit=True (CLI: --ignore-context-limit) to run past it deliberately")
+
+
+def pixel_values(config, dtype, ids: np.ndarray, valid: np.ndarray, pixels) -> jax.Array | None:
+    """pixels [units, C, H, W] matching the prompt's placeholders (units = images, or tiles)."""
+    multimodal = llava.is_multimodal(config)
+    n_placeholders = int(((ids == config.image_token_id) & valid).sum()) if multimodal else 0
+    if pixels is None:
+        if n_placeholders:
+            raise InputError(f"prompt has {n_placeholders} image placeholder tokens but no pixel_values")
+        return None
+    if not multimodal:
+        raise InputError("pixel_values given, but this is a text-only model")
+    pixels = np.asarray(pixels)
+    expected = config.pixel_shape
+    if pixels.ndim != 4 or pixels.shape[1:] != expected:
+        raise InputError(f"pixel_values must be [num_images, {', '.join(map(str, expected))}], got {pixels.shape}")
+    n_images = pixels.shape[0]
+    if n_placeholders != n_images * config.image_seq_length:
+        raise InputError(f"{n_images} image(s) need {n_images * config.image_seq_length} placeholder tokens "
+                         f"({config.image_seq_length} each), the prompt has {n_placeholders}")
+    return jnp.asarray(pixels, dtype)
+
+
+def prepare(model, input_ids, pixels, attention_mask, max_new_tokens: int, methods: Sequence,
+            ignore_context_limit: bool = False) -> Prompt:
+    """Check a generation request against `model` and `methods`, and pack it into its bucket."""
+    from lookm_jax.methods import Method
+
+    check_max_new_tokens(max_new_tokens)
+    for method in methods:
+        if not isinstance(method, Method):
+            raise InputError(f"method must be a lookm_jax method (lookm_jax.get_method), got {method!r}")
+    ids, mask = token_ids(model.config, input_ids, attention_mask)
+    lengths = mask.sum(1)
+    if (lengths == 0).any():
+        raise InputError(f"every row needs at least one real token; rows {np.flatnonzero(lengths == 0).tolist()} "
+                         "have none")
+    check_bucket(int(lengths.max()), model.buckets)
+    check_context(model.text_config, int(lengths.max()), max_new_tokens, ignore_context_limit)
+    for method in methods:
+        method.check_prompt_lengths(lengths)
+    ids, valid = gen.pack_prompts(ids, mask, model.buckets)
+    return Prompt(ids, valid, pixel_values(model.config, model.dtype, ids, valid, pixels))
+
+
+def open_image(image):
+    """An image file (path) -> PIL image, loaded; a PIL image or array passes through."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not isinstance(image, (str, os.PathLike)):
+        return image
+    try:
+        picture = Image.open(image)
+        picture.load()
+    except FileNotFoundError:
+        raise InputError(f"image file not found: {image}") from None
+    except (UnidentifiedImageError, OSError) as err:
+        raise InputError(f"{image}: not a readable image ({type(err).__name__}: {err})") from None
+    return picture

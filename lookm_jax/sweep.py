@@ -1,0 +1,61 @@
+"""Many methods from one prefill: the shared-prefill sweep of the needle benchmark.
+
+The prompt's hidden states do not depend on the cache method (compression happens after the
+prompt is encoded), so one prefill feeds every method: `generate.prefill_states` keeps the
+uncompressed per-layer K/V and the statistics the methods rank by, `generate.compress_prefilled`
+builds each method's cache, and methods of equal capacity decode together.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lookm_jax import generate as gen, inputs
+from lookm_jax.errors import InputError
+from lookm_jax.scoring import STATISTICS
+
+
+def generate_methods(model, input_ids, pixel_values=None, attention_mask=None, max_new_tokens: int = 32, *,
+                     methods: Sequence, max_decode_rows: int = 16,
+                     ignore_context_limit: bool = False) -> list[np.ndarray]:
+    """Greedy new tokens [B, max_new_tokens] for each of `methods`, from ONE prefill of `model`.
+
+    The same tokens as `model.generate(..., method=m)` for each m, at the cost of one prefill;
+    methods of equal capacity decode together, up to `max_decode_rows` rows per `generate.decode`
+    call (at least one method's B rows). Inputs are checked as `Model.run` checks them.
+    """
+    if not methods:
+        raise InputError("generate_methods needs at least one method")
+    if model.mesh is not None:
+        raise InputError("generate_methods runs on one device; call it on the unsharded model")
+    prompt = inputs.prepare(model, input_ids, pixel_values, attention_mask, max_new_tokens, methods,
+                            ignore_context_limit)
+    batch, bucket = prompt.ids.shape
+    key = jax.random.key(0)
+    sampling = gen.Sampling()
+    prefilled = gen.prefill_states(
+        model.config, model.params, jnp.asarray(prompt.ids), jnp.asarray(prompt.valid), prompt.pixel_values, key,
+        statistics=tuple(s for s in STATISTICS if any(s in m.statistics for m in methods)),
+        window=max(1, *(gen.query_window(m, bucket) for m in methods)), sampling=sampling)
+    by_capacity: dict[int, list[int]] = {}
+    for i, m in enumerate(methods):
+        by_capacity.setdefault(m.capacity(bucket), []).append(i)
+    per_call = max(1, max_decode_rows // batch)
+    text_config = model.text_config
+    out: list[np.ndarray | None] = [None] * len(methods)
+    for indices in by_capacity.values():
+        for start in range(0, len(indices), per_call):
+            chunk = indices[start:start + per_call]
+            caches = [gen.compress_prefilled(prefilled, method=methods[i], max_new_tokens=max_new_tokens)
+                      for i in chunk]
+            first = jnp.tile(prefilled.first, len(chunk))
+            tokens, _, _ = gen.decode(text_config, model.params["text"], first, gen.concat_caches(caches),
+                                      key, max_new_tokens=max_new_tokens, sampling=sampling,
+                                      eos_ids=text_config.eos_token_ids)
+            for i, rows in zip(chunk, np.split(np.asarray(tokens), len(chunk))):
+                out[i] = rows
+    return out

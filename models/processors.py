@@ -1,0 +1,125 @@
+"""Per-architecture input processors: pictures -> pixel_values, a rendered chat turn -> token ids.
+
+One processor per config type, listed in `PROCESSORS` (as `llava.IMAGE_FEATURES` lists each
+architecture's features function): `Model.preprocess_images` and `Model.encode_chat` only look
+it up. The placeholder convention decides the encoding:
+
+- `TextOnly`: a llama/qwen2 text model; images are refused.
+- `TokenPlaceholders` (llava-hf): the image token is in the vocabulary; each one the tokenizer
+  emits expands to `image_seq_length` copies, as HF's LlavaProcessor does.
+- `SplitPlaceholders` (original LLaVA layout, MobileVLM-v2, InternViT-6B-Vicuna): the placeholder
+  id (-200) is no token, so the text is split at "<image>", each piece encoded on its own and the
+  placeholders put between them, as LLaVA's `tokenizer_image_token` does.
+- `Tiles` (HF-format InternVL): dynamic tiles per image; each "<image>" becomes
+  <img> + tiles x `image_seq_length` placeholders + </img>, as InternVLProcessor does.
+
+The CLIP processors use the checkpoint's preprocessor settings, or the CLIP defaults at the
+tower's own image size when it has none.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Callable, ClassVar, Sequence
+
+import numpy as np
+
+from lookm_jax.errors import InputError
+from lookm_jax.models.config import LlamaConfig, LlavaConfig
+from lookm_jax.models.internvit import InternViTLlavaConfig
+from lookm_jax.models.internvl import InternVLConfig
+from lookm_jax.models.mobilevlm import MobileVLMConfig
+
+IMAGE_MARKER = "<image>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Processor(abc.ABC):
+    """The input side of one architecture. `settings`: the checkpoint's preprocessor_config.json."""
+
+    config: Any
+    settings: dict | None = None
+    tiling: ClassVar[bool] = False  # pixel_values units are tiles, so placeholders depend on each image
+
+    def preprocess(self, pictures: Sequence) -> tuple[np.ndarray, list[int] | None]:
+        """PIL images -> (pixel_values [units, C, H, W] float32, tiles per image or None)."""
+        from lookm_jax.models.image_processing import CLIPImageProcessorConfig, preprocess_images
+
+        settings = self.settings
+        if not settings:  # no preprocessor_config.json: the CLIP processor at the tower's own size
+            _, height, width = self.config.pixel_shape
+            settings = {"size": {"shortest_edge": height}, "crop_size": {"height": height, "width": width}}
+        return preprocess_images(pictures, CLIPImageProcessorConfig.from_hf_dict(settings)), None
+
+    @abc.abstractmethod
+    def encode(self, tokenizer, text: str, image_tiles: Sequence[int] | None) -> list[int]:
+        """A rendered chat turn with "<image>" markers -> ids, one placeholder per image feature."""
+
+    def _no_tiles(self, image_tiles) -> None:
+        if image_tiles is not None:
+            raise InputError("image_tiles is only for tiling architectures (InternVL)")
+
+
+class TextOnly(Processor):
+    def preprocess(self, pictures):
+        raise InputError(f"{len(pictures)} image(s) given, but this is a text-only model")
+
+    def encode(self, tokenizer, text, image_tiles):
+        self._no_tiles(image_tiles)
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+class TokenPlaceholders(Processor):
+    def encode(self, tokenizer, text, image_tiles):
+        self._no_tiles(image_tiles)
+        image_id, n = self.config.image_token_id, self.config.image_seq_length
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        return [t for i in ids for t in ([i] * n if i == image_id else [i])]
+
+
+class SplitPlaceholders(Processor):
+    def encode(self, tokenizer, text, image_tiles):
+        self._no_tiles(image_tiles)
+        pieces = [tokenizer.encode(piece, add_special_tokens=False).ids for piece in text.split(IMAGE_MARKER)]
+        placeholders = [self.config.image_token_id] * self.config.image_seq_length
+        return pieces[0] + [t for piece in pieces[1:] for t in placeholders + piece]
+
+
+class Tiles(Processor):
+    tiling = True
+
+    def preprocess(self, pictures):
+        from lookm_jax.models.internvl_processing import InternVLImageProcessorConfig, preprocess_tiles
+
+        return preprocess_tiles(pictures, InternVLImageProcessorConfig.from_hf_dict(self.settings or {}))
+
+    def encode(self, tokenizer, text, image_tiles):
+        image_token = tokenizer.id_to_token(self.config.image_token_id)
+        text = self.config.expand_image_markers(text, image_token, image_tiles or ())
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _llava(config: LlavaConfig, settings: dict | None) -> Processor:
+    """llava-hf's image token is a vocabulary id; the original layout's (-200) is none."""
+    cls = SplitPlaceholders if config.image_token_id < 0 else TokenPlaceholders
+    return cls(config, settings)
+
+
+# config type -> processor(config, preprocessor settings). A new architecture lists its processor here.
+PROCESSORS: dict[type, Callable[[Any, dict | None], Processor]] = {
+    LlamaConfig: TextOnly,
+    LlavaConfig: _llava,
+    InternViTLlavaConfig: SplitPlaceholders,
+    MobileVLMConfig: SplitPlaceholders,
+    InternVLConfig: Tiles,
+}
+
+
+def processor(config, settings: dict | None = None) -> Processor:
+    """The registered processor of `config`'s architecture."""
+    try:
+        make = PROCESSORS[type(config)]
+    except KeyError:
+        raise TypeError(f"no processor registered for {type(config).__name__}") from None
+    return make(config, settings)

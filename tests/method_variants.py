@@ -1,0 +1,35 @@
+"""The one list of method variants that every suite parametrises over (a new method or option added
+here gets the reference, budget, padding, generation and mesh tests at once)."""
+
+from __future__ import annotations
+
+from lookm_jax import METHODS, get_method
+
+# (method name, options besides the budget). Each method's defaults come first, then its variants.
+VARIANTS: list[tuple[str, dict]] = [(name, {}) for name in METHODS] + [
+    ("snapkv", {"window": 6}),
+    ("snapkv", {"window": None, "kernel_size": 5, "pooling": "avg"}),  # as LOOK-M's own SnapKV runs
+    ("roco", {"std_weight": 1.0}),
+    ("lookm", {"merge": None}),
+    ("lookm", {"merge": "averaged"}),
+    ("lookm", {"merge": "weighted"}),
+    ("lookm", {"text_prior": False}),
+    ("lookm", {"text_prior": False, "merge": None}),
+    ("lookm", {"merge": "averaged", "similarity_filter": True}),
+    ("lookm", {"merge": "weighted", "text_prior": False, "n_sink": 4}),
+    ("lookm", {"keep_all_text": True, "merge": "pivotal"}),
+]
+DEFAULTS = [v for v in VARIANTS if not v[1]]  # one per method, at its defaults
+
+
+def variant_id(name: str, options: dict) -> str:
+    return name + "".join(f"-{k}={v}" for k, v in options.items())
+
+
+def ids(variants) -> list[str]:
+    return [variant_id(name, options) for name, options in variants]
+
+
+def build(name: str, options: dict, **budget):
+    """The method at `budget` (budget= or alpha_recent=/alpha_important=); "full" takes none."""
+    return get_method(name, **options) if name == "full" else get_method(name, **budget, **options)

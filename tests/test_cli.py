@@ -1,0 +1,152 @@
+"""The `lookm` command: one line `lookm: error: ...` and exit 2 for every bad input (issue 12's table),
+nothing written on disk when it fails, and the commands `methods`, `convert`, `--prompt-file`,
+`--buckets`, option defaults in every help."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import os
+
+import numpy as np
+import pytest
+
+import lookm_jax
+from lookm_jax import cli, loading
+from lookm_jax.convert import store
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return lookm_jax.load_default()
+
+
+@pytest.fixture
+def cli_demo(demo, monkeypatch, tmp_path):
+    """`lookm` with the (already loaded) demo model as its default, run in an empty folder."""
+    monkeypatch.setattr(lookm_jax, "load_default", lambda dtype=None: dataclasses.replace(demo))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _tree(*folders) -> set[str]:
+    return {os.path.join(root, name) for folder in folders for root, dirs, files in os.walk(folder)
+            for name in dirs + files}
+
+
+def _fails(capsys, argv, *needles):
+    """Runs `lookm argv`: exit 2, one stderr line naming the problem, no traceback, no file written."""
+    capsys.readouterr()  # earlier output (progress bars) aside
+    before = _tree(os.getcwd(), loading.cache_dir())
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_:  # argparse
+        code = exit_.code
+    err = capsys.readouterr().err.split("\r")[-1]  # what a terminal shows once progress bars are erased
+    assert code == 2, err
+    assert err.startswith("lookm: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, err
+    assert _tree(os.getcwd(), loading.cache_dir()) == before
+    return err
+
+
+def test_unreadable_image(cli_demo, capsys):
+    (cli_demo / "fake.png").write_text("a text file")
+    _fails(capsys, ["generate", "--image", "fake.png"], "fake.png: not a readable image")
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--method", "lookm", "--budget", "0"], ["budget must be a fraction in (0, 1], got 0"]),
+    (["--method", "h2o", "--budget", "0"], ["budget must be a fraction in (0, 1], got 0"]),
+    (["--method", "lookm", "--budget", "1.5"], ["got 1.5"]),
+    (["--budget", "0.2"], ["method 'full' takes no budget"]),
+    (["--method", "full", "--alpha-recent", "0.1"], ["method 'full' takes no alpha_recent"]),
+    (["--method", "snapkv", "--budget", "-1"], ["got -1\n"]),
+    (["--method", "snapkv", "--alpha-recent", "-0.5"], ["alpha_recent=-0.5"]),
+    (["--method", "lookm", "--budget", "0.2", "--alpha-recent", "0.1"], ["either budget or alpha_recent"]),
+    (["--method", "nope"], ["unknown method 'nope'; known: full, streamingllm"]),
+    (["--budget", "abc"], ["argument --budget: invalid float value: 'abc'"]),
+])
+def test_bad_method_options(cli_demo, capsys, argv, needles):
+    err = _fails(capsys, ["generate", *argv], *needles)
+    assert "-0.5, -0.5" not in err
+
+
+def test_budget_that_keeps_no_slot(cli_demo, capsys):
+    _fails(capsys, ["generate", "--text-only", "--method", "lookm", "--budget", "0.01"],
+           "keeps no slot of a 38-token prompt; the smallest budget that keeps one is 0.0527")
+
+
+def test_max_new_tokens_beyond_the_context(cli_demo, capsys):
+    _fails(capsys, ["generate", "--max-new-tokens", "100000"], "max_new_tokens=100000",
+           "context length (8192, max_position_embeddings)", "--ignore-context-limit")
+
+
+def test_long_prompt_file_is_read_and_the_bucket_error_says_how_to_raise_it(cli_demo, capsys):
+    """70,000 words cannot go through argv, but --prompt-file reads them; too long for 16384."""
+    (cli_demo / "long.txt").write_text(" ".join(["word"] * 70_000))
+    _fails(capsys, ["generate", "--text-only", "--prompt-file", "long.txt"],
+           "tokens is longer than the largest bucket (16384)", "--buckets 98304")
+
+
+def test_prompt_file_problems(cli_demo, capsys):
+    _fails(capsys, ["generate", "--prompt-file", "missing.txt"], "--prompt-file missing.txt: cannot be read")
+    (cli_demo / "empty.txt").write_text("  \n")
+    _fails(capsys, ["generate", "--prompt-file", "empty.txt"], "the prompt is empty")
+    _fails(capsys, ["generate", "--prompt", "a", "--prompt-file", "empty.txt"], "not allowed with argument")
+    _fails(capsys, ["generate", "--buckets", "0"], "--buckets must be positive")
+
+
+def test_prompt_from_stdin_in_an_extra_bucket(cli_demo, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?"))
+    assert cli.main(["generate", "--text-only", "--prompt-file", "-", "--buckets", "48",
+                     "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "capital of France" in out and "bucket 48;" in out
+    assert "counting slots per layer and KV head (48 kept prompt + 3 new-token slots, of 48 bucket" in out
+
+
+def test_methods_lists_every_method_with_parameters_and_defaults(capsys):
+    assert cli.main(["methods"]) == 0
+    out = capsys.readouterr().out
+    for name in lookm_jax.METHODS:
+        assert f"\n{name}: " in f"\n{out}"
+        for param, default in lookm_jax.methods.parameters(name).items():
+            assert f"    {param} = {default!r}" in out
+    assert "merge = 'pivotal'" in out and "window = 32" in out
+
+
+def _parsers(parser, name="lookm"):
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _parsers(sub, f"{name} {sub_name}")
+
+
+def test_every_option_help_shows_its_default():
+    for name, parser in _parsers(cli.build_parser()):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if action.option_strings and not isinstance(action, argparse._HelpAction):
+                text = formatter._expand_help(action) if action.help else ""
+                assert "default" in text, f"{name} {action.option_strings}: {text!r}"
+
+
+def test_convert_then_load_gives_the_same_model(tiny_llava_folder, tmp_path, capsys, monkeypatch):
+    dst = tmp_path / "converted"
+    assert cli.main(["convert", tiny_llava_folder, str(dst)]) == 0
+    assert store.is_converted(str(dst)) and "converted" in capsys.readouterr().out
+    ids = np.arange(1, 9)[None]
+    np.testing.assert_array_equal(lookm_jax.load(str(dst)).logits(ids), lookm_jax.load(tiny_llava_folder).logits(ids))
+    work = tmp_path / "work"
+    (work / "bad").mkdir(parents=True)
+    monkeypatch.chdir(work)
+    _fails(capsys, ["convert", tiny_llava_folder, str(dst)], "exists; pass --force")
+    _fails(capsys, ["convert", str(dst), "out"], "already a converted folder")
+    _fails(capsys, ["convert", str(tmp_path / "none"), "out"], "not a folder or .gguf file")
+    _fails(capsys, ["convert", str(work / "bad"), "out"], "no config.json")
+    assert cli.main(["convert", tiny_llava_folder, str(dst), "--force"]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["converted", "work"]  # no temporary folder left

@@ -1,0 +1,126 @@
+"""Every bad input the Model API refuses: an `InputError` (a ValueError) naming the value and the range.
+
+One test per row of issue 12's table (the CLI side is tests/test_cli.py), plus the pieces the
+checks are built from. The tiny LLaVA: vocabulary 251 (id 250 is the image placeholder), 25
+placeholders per image, context 2048.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from conftest import IMAGE_TOKEN, image_ids
+from lookm_jax import InputError, PromptTooLongError, get_method, inputs
+from lookm_jax.models.config import LlavaConfig
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny):
+    """One image of 25 tokens and 8 text tokens: L = 33."""
+    ids = image_ids(tiny.config.image_seq_length, [3, 4, "img", 5, 6, 7, 8, 9, 10])
+    pixels = np.random.default_rng(0).standard_normal((1, 3, 30, 30)).astype(np.float32)
+    return ids[None], pixels
+
+
+def test_unreadable_image_names_the_file(tiny, tmp_path):
+    fake = tmp_path / "fake.png"
+    fake.write_text("not an image")
+    with pytest.raises(InputError, match=r"fake\.png: not a readable image"):
+        tiny.preprocess_images([str(fake)])
+    with pytest.raises(InputError, match=r"image file not found: .*missing\.png"):
+        tiny.preprocess_images([str(tmp_path / "missing.png")])
+
+
+@pytest.mark.parametrize("name", ["lookm", "h2o"])
+@pytest.mark.parametrize("budget", [0, 1.5, -1])
+def test_budget_outside_0_1_is_refused_as_typed(name, budget):
+    with pytest.raises(InputError, match=rf"budget must be a fraction in \(0, 1\], got {budget}$"):
+        get_method(name, budget=budget)
+
+
+@pytest.mark.parametrize("alphas", [(0.0, 0.0), (0.6, 0.6), (-0.5, 0.5), (0.1, float("nan"))])
+def test_alphas_must_sum_to_a_fraction(alphas):
+    with pytest.raises(InputError, match=rf"alpha_recent={alphas[0]!r} and alpha_important={alphas[1]!r}"):
+        get_method("snapkv", alpha_recent=alphas[0], alpha_important=alphas[1])
+
+
+def test_budget_or_alpha_given_to_full_is_refused():
+    with pytest.raises(InputError, match="method 'full' takes no budget"):
+        get_method("full", budget=0.2)
+    with pytest.raises(InputError, match="method 'full' takes no alpha_recent"):
+        get_method("full", alpha_recent=0.1)
+    with pytest.raises(InputError, match=r"method 'lookm' takes no windw \(its parameters: alpha_recent"):
+        get_method("lookm", windw=3)
+
+
+@pytest.mark.parametrize("name", ["lookm", "h2o", "snapkv", "streamingllm", "roco"])
+def test_budget_keeping_no_slot_names_the_smallest_that_works(tiny, prompt, name):
+    """floor(0.01 * 33) = 0 slots: refused with 2 / 33 rounded up; that budget runs."""
+    with pytest.raises(InputError, match=r"keeps no slot of a 33-token prompt; the smallest budget that keeps one "
+                                         r"is 0\.0607"):
+        tiny.run(*prompt, max_new_tokens=2, method=get_method(name, budget=0.02))
+    result = tiny.run(*prompt, max_new_tokens=2, method=get_method(name, budget=0.0607))
+    assert result.kept_image_tokens[0] + result.kept_text_tokens[0] == 2
+
+
+def test_context_length_is_checked_and_can_be_overridden(tiny, prompt):
+    """prompt + max_new_tokens beyond max_position_embeddings: refused, unless ignore_context_limit."""
+    assert tiny.text_config.max_position_embeddings == 2048
+    with pytest.raises(InputError, match=r"33 tokens \+ max_new_tokens=100000 = 100033 positions exceed .* \(2048, "
+                                         r"max_position_embeddings\).*ignore_context_limit=True"):
+        tiny.run(*prompt, max_new_tokens=100000)
+    short = dataclasses.replace(tiny, config=dataclasses.replace(
+        tiny.config, text=dataclasses.replace(tiny.text_config, max_position_embeddings=34)), _compiled={})
+    with pytest.raises(InputError, match="35 positions exceed"):
+        short.run(*prompt, max_new_tokens=2)
+    with pytest.raises(InputError, match="exceed"):
+        short.logits(np.ones((1, 40), np.int32))
+    assert short.run(*prompt, max_new_tokens=2, ignore_context_limit=True).tokens.shape == (1, 2)
+
+
+def test_prompt_beyond_the_largest_bucket_says_how_to_raise_it(tiny, prompt):
+    small = dataclasses.replace(tiny, buckets=(16,), _compiled={})
+    with pytest.raises(PromptTooLongError, match=r"prompt of 33 tokens is longer than the largest bucket \(16\); "
+                                                 r"add a bucket: `--buckets 48`.*model.buckets"):
+        small.run(*prompt, max_new_tokens=2)
+    small.buckets = (*small.buckets, 48)
+    assert small.run(*prompt, max_new_tokens=2).bucket == 48
+    assert [inputs.suggest_bucket(n) for n in (17, 25000, 20000, 70000)] == [24, 32768, 24576, 98304]
+
+
+def test_float_ids_are_refused(tiny):
+    with pytest.raises(InputError, match="input_ids must be integer token ids, got dtype float32"):
+        tiny.generate(np.ones((1, 5), np.float32), max_new_tokens=2)
+    with pytest.raises(InputError, match="integer token ids"):
+        tiny.logits([[1.0, 2.0]])
+
+
+def test_ids_outside_the_vocabulary_are_refused_but_placeholders_and_padding_pass(tiny, prompt):
+    ids, pixels = prompt
+    for bad, value in ((IMAGE_TOKEN + 1, 251), (-3, -3)):
+        wrong = ids.copy()
+        wrong[0, 5] = bad
+        with pytest.raises(InputError, match=rf"outside the vocabulary \[0, 251\) or the image placeholder 250: "
+                                             rf"first {value} at row 0, position 5"):
+            tiny.run(wrong, pixels, max_new_tokens=2)
+    padded = np.concatenate([np.full((1, 3), 999, np.int32), ids], axis=1)  # garbage under the mask
+    mask = np.arange(padded.shape[1])[None] >= 3
+    assert tiny.run(padded, pixels, mask, max_new_tokens=2).prompt_lengths[0] == ids.shape[1]
+    with pytest.raises(InputError, match="vocabulary"):
+        tiny.logits(np.full((1, 4), 5000))
+
+
+def test_other_requests_are_refused_with_input_error(tiny, prompt):
+    ids, pixels = prompt
+    for kwargs, message in (({"max_new_tokens": 0}, "max_new_tokens must be an int >= 1, got 0"),
+                            ({"method": "lookm"}, "method must be a lookm_jax method")):
+        with pytest.raises(InputError, match=message):
+            tiny.run(ids, pixels, **{"max_new_tokens": 2, **kwargs})
+    with pytest.raises(InputError, match="25 placeholder tokens .* the prompt has 0"):
+        tiny.run(np.ones((1, 4), np.int32), pixels, max_new_tokens=2)
+    with pytest.raises(InputError, match="image_tiles is only for tiling"):
+        tiny.processor.encode(None, "x", [1])
+    assert isinstance(tiny.config, LlavaConfig) and not tiny.processor.tiling
