@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 
-from lookm_jax.cli_args import (DTYPES, HelpFormatter, add_method_arguments, add_prompt_arguments, default_images,
+from lookm_jax.cli_args import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, DTYPES, HelpFormatter, add_method_arguments, add_prompt_arguments, default_images,
                                 method_from_args, read_prompt)
 from lookm_jax.errors import InputError
 
@@ -64,12 +64,13 @@ def cmd_generate(args) -> int:
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     model = lookm_jax.load(args.model, dtype) if args.model else lookm_jax.load_default(dtype)
     _add_buckets(model, args.buckets)
-    if model.manifest.get("vision_untrained"):
-        print("note: the default demo model pairs the real SmolLM2-135M-Instruct decoder with an UNTRAINED, "
-              "seeded CLIP tower and projector: image tokens are noise to it. Answers are about the text.")
+    if not args.model:
+        print(f"note: the demo model is the real SmolLM2-135M-Instruct decoder; {model.manifest['vision']}")
     images = [] if args.text_only else pictures or default_images(args, model)
+    if not images and not args.prompt_file and args.prompt == DEFAULT_PROMPT:
+        prompt = DEFAULT_TEXT_PROMPT
     pixel_values, tiles = model.preprocess_images(images) if images else (None, None)
-    input_ids = model.encode_chat(prompt, num_images=len(images), image_tiles=tiles)
+    input_ids = model.encode_chat(prompt, num_images=leading_images(prompt, len(images)), image_tiles=tiles)
     result = model.run(input_ids, pixel_values, max_new_tokens=args.max_new_tokens, method=method,
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                        ignore_context_limit=args.ignore_context_limit)

@@ -12,9 +12,12 @@ import sys
 
 from lookm_jax.errors import InputError
 
-DEFAULT_PROMPT = "Write a haiku about the sea."
+# The demo: two bundled scenes (lookm_jax.scenes.DEMO_SCENES), each after its "Picture k:" marker.
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
-DEFAULT_IMAGES = [os.path.join(ASSETS, "landscape.png"), os.path.join(ASSETS, "apple.png")]
+DEFAULT_IMAGES = [os.path.join(ASSETS, "scene_1.png"), os.path.join(ASSETS, "scene_2.png")]
+DEFAULT_PROMPT = "Picture 1: <image>\nPicture 2: <image>\nWhat colour is the shape in picture 2?"
+DEFAULT_TEXT_PROMPT = "Write a haiku about the sea."  # the default prompt without pictures (--text-only)
+IMAGE_MARKER = "<image>"
 DTYPES = ("float32", "bfloat16")
 
 
@@ -86,3 +89,11 @@ def default_images(args, model) -> list[str]:
     if args.image is not None:
         return args.image
     return DEFAULT_IMAGES if model.is_multimodal and not args.model else []
+
+
+def leading_images(prompt: str, n_images: int) -> int:
+    """How many of n_images go before the prompt: those its "<image>" markers do not place inline."""
+    inline = prompt.count(IMAGE_MARKER)
+    if inline > n_images:
+        raise InputError(f"the prompt has {inline} {IMAGE_MARKER} markers but {n_images} image(s) were given")
+    return n_images - inline

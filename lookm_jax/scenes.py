@@ -220,6 +220,8 @@ def single_picture_sample(split: str, seed: int, index: int, turns: int = 1,
         return SingleSample(scene, tuple(sample_question(scene, rng, ("colour", "shape"), target)
                                          for _ in range(turns)))
     scene = random_scene(rng, split)
+    while kind is not None and questions(scene, rng, kind) is None:  # e.g. every object near the middle
+        scene = random_scene(rng, split)
     return SingleSample(scene, tuple(_distinct_questions(scene, rng, turns, (kind,) if kind else KINDS)))
 
 

@@ -151,10 +151,10 @@ def demo():
 
 @pytest.fixture(scope="module")
 def demo_prompt(demo):
-    """The demo's two pictures (512 image tokens) and a short text: L ~ 550, bucket 768."""
+    """The demo's two pictures, 4 times each (8 x 64 = 512 image tokens), and a short text: L ~ 550, bucket 768."""
     processor = CLIPImageProcessorConfig.from_hf_dict(demo.manifest["image_processor"])
-    pixels = preprocess_images([Image.open(p) for p in DEFAULT_IMAGES], processor)
-    return demo.encode_chat("Write a haiku about the sea.", num_images=2), pixels
+    pixels = preprocess_images([Image.open(p) for p in DEFAULT_IMAGES * 4], processor)
+    return demo.encode_chat("Write a haiku about the sea.", num_images=8), pixels
 
 
 @pytest.mark.slow

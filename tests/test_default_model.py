@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 
@@ -32,8 +33,9 @@ def test_cached_demo_equals_fresh_conversion(demo):
         np.testing.assert_array_equal(cached[key], value, err_msg=key)
 
 
-def test_demo_is_llava_shaped_with_untrained_vision(demo):
-    assert demo.is_multimodal and demo.manifest["vision_untrained"]
+def test_demo_is_llava_shaped_with_trained_vision(demo):
+    assert demo.is_multimodal and demo.manifest["vision"] == loading.DEMO_VISION_NOTE
+    assert demo.config.image_seq_length == 64
     assert demo.config.image_token_id == demo.tokenizer.token_to_id("<image>")
     ids = demo.encode_chat("hi", num_images=2)
     assert (ids == demo.config.image_token_id).sum() == 2 * demo.config.image_seq_length
@@ -89,9 +91,9 @@ def test_concurrent_demo_builds_leave_one_complete_copy(tmp_path, monkeypatch):
 def test_main_job_runs_offline(capsys):
     assert cli.main(["generate", "--max-new-tokens", "4"]) == 0
     out = capsys.readouterr().out
-    assert "UNTRAINED" in out and "answer:" in out and "with 2 image(s)" in out
-    assert "512 image" in out and "ms/token" in out and "KV cache:" in out
-    assert "kept prompt + 4 new-token slots, of 768 bucket + 4 new-token slots" in out
+    assert "trained here on procedural scenes" in out and "answer:" in out and "with 2 image(s)" in out
+    assert "(128 image," in out and "ms/token" in out and "KV cache:" in out
+    assert re.search(r"kept prompt \+ 4 new-token slots, of \d+ bucket \+ 4 new-token slots", out)
 
 
 def test_cli_reports_a_clear_error(capsys):

@@ -120,13 +120,14 @@ def demo():
 
 @pytest.mark.parametrize("length", [1024, 2048])
 def test_samples_fit_their_length_with_images_over_70_percent(demo, length):
-    samples = needle.make_samples(demo.tokenizer, length, 5, seed=3, image_seq_length=256)
+    per_image = demo.config.image_seq_length
+    samples = needle.make_samples(demo.tokenizer, length, 5, seed=3, image_seq_length=per_image)
     assert [s.depth for s in samples] == list(needle.DEFAULT_DEPTHS)
     for s in samples:
         ids = demo.encode_chat(s.prompt)[0]
         is_image = ids == demo.config.image_token_id
         assert length - 48 <= len(ids) <= length  # never spills into the next bucket
-        assert is_image.mean() >= 0.7 and is_image.sum() == 256 * s.num_images == 256 * s.context.count("<image>")
+        assert is_image.mean() >= 0.7 and is_image.sum() == per_image * s.num_images == per_image * s.context.count("<image>")
         word = re.fullmatch(r"What is the special magic number for (\w+)\? .*", s.question).group(1)
         assert s.context.count("special magic number") == 1 and re.fullmatch(r"\d{4}", s.answer)
         assert f"The special magic number for {word} is {s.answer}." in s.context
@@ -141,14 +142,14 @@ def test_samples_fit_their_length_with_images_over_70_percent(demo, length):
 
 
 def test_samples_are_deterministic_and_text_only_has_no_images(demo):
-    a = needle.make_samples(demo.tokenizer, 1024, 3, seed=0, image_seq_length=256)
-    assert a == needle.make_samples(demo.tokenizer, 1024, 3, seed=0, image_seq_length=256)
-    assert a != needle.make_samples(demo.tokenizer, 1024, 3, seed=1, image_seq_length=256)
+    a = needle.make_samples(demo.tokenizer, 1024, 3, seed=0, image_seq_length=demo.config.image_seq_length)
+    assert a == needle.make_samples(demo.tokenizer, 1024, 3, seed=0, image_seq_length=demo.config.image_seq_length)
+    assert a != needle.make_samples(demo.tokenizer, 1024, 3, seed=1, image_seq_length=demo.config.image_seq_length)
     text = needle.make_samples(demo.tokenizer, 1024, 3, seed=0)
     assert all(s.num_images == 0 and "<image>" not in s.prompt for s in text)
     assert all(1024 - 48 <= demo.encode_chat(s.prompt).shape[1] <= 1024 for s in text)
     with pytest.raises(ValueError, match="leaves .* text tokens"):
-        needle.make_samples(demo.tokenizer, 300, 1, seed=0, image_seq_length=256)
+        needle.make_samples(demo.tokenizer, 300, 1, seed=0, image_seq_length=demo.config.image_seq_length)
     with pytest.raises(ValueError, match="depths"):
         needle.make_samples(demo.tokenizer, 1024, 1, seed=0, depths=(1.5,))
 

@@ -140,7 +140,7 @@ def test_plot_attention_on_the_demo_model(tmp_path, capsys):
                      "--output", str(out)]) == 0
     assert png_size(out) == tuple(round(x * plots.DPI) for x in plots.ATTENTION_INCHES)
     printed = capsys.readouterr().out
-    assert "30 layers x" in printed and "(256 image," in printed
+    assert "30 layers x" in printed and "(64 image," in printed
     shares = [line.split("|") for line in printed.splitlines() if line.strip()[:1].isdigit()]
     assert len(shares) == 30
     for image, text, first in ((float(c) for c in row[1:4]) for row in shares):
