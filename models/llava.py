@@ -36,6 +36,7 @@ def llava_image_features(cfg: LlavaConfig, params: dict, pixel_values: jax.Array
 
 # config type -> features(cfg, params, pixel_values [n_units, C, H, W]) -> [n_units, image_seq_length, H_text].
 # Other architectures define theirs in models/<arch>.py (which must not import this module) and are listed here.
+# Each architecture's input processor (pictures -> pixel_values, chat turn -> ids) is listed in processors.PROCESSORS.
 IMAGE_FEATURES: dict[type, Callable[[Any, dict, jax.Array], jax.Array]] = {
     LlavaConfig: llava_image_features,
     internvit.InternViTLlavaConfig: internvit.image_features,

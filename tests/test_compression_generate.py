@@ -67,7 +67,10 @@ def test_every_method_generates_on_tiny_llava(tiny, tiny_prompt, name, params):
     result = tiny.run(*tiny_prompt, max_new_tokens=4, method=method)
     if (name, params) != KEEPS_ALL_TEXT:
         _check_sizes(result, method, 4)
-    assert result.bucket == 64 and (result.cache_bytes < result.full_cache_bytes) == (name != "full")
+    # Smaller exactly when the method keeps fewer slots than the bucket (not full, nor keep_all_text
+    # without a capacity_ratio, whose static capacity is the whole bucket).
+    assert result.bucket == 64 and (result.cache_bytes < result.full_cache_bytes) == (method.capacity(64) < 64)
+    assert (method.capacity(64) < 64) == (name != "full" and (name, params) != KEEPS_ALL_TEXT)
 
 
 @pytest.mark.parametrize("name", [m for m in METHODS if m != "full"])
