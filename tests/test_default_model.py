@@ -91,7 +91,7 @@ def test_concurrent_demo_builds_leave_one_complete_copy(tmp_path, monkeypatch):
 def test_main_job_runs_offline(capsys):
     assert cli.main(["generate", "--max-new-tokens", "4"]) == 0
     out = capsys.readouterr().out
-    assert "trained here on procedural scenes" in out and "answer:" in out and "with 2 image(s)" in out
+    assert loading.DEMO_VISION_NOTE in out and "answer:" in out and "with 2 image(s)" in out
     assert "(128 image," in out and "ms/token" in out and "KV cache:" in out
     assert re.search(r"kept prompt \+ 4 new-token slots, of \d+ bucket \+ 4 new-token slots", out)
 
