@@ -12,7 +12,7 @@ import os
 import sys
 
 from lookm_jax.cli_args import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, DTYPES, HelpFormatter, add_method_arguments, add_prompt_arguments, default_images,
-                                method_from_args, read_prompt)
+                                leading_images, method_from_args, read_prompt)
 from lookm_jax.errors import InputError
 
 # Command groups: `lookm eval NAME ...`, `lookm plot NAME ...`. Each module listed defines

@@ -11,7 +11,7 @@ from __future__ import annotations
 import csv
 import os
 
-from lookm_jax.cli_args import add_prompt_arguments, default_images, read_prompt
+from lookm_jax.cli_args import add_prompt_arguments, default_images, leading_images, read_prompt
 
 SWEEP_COLUMNS = ("label", "method", "text_prior", "merge", "budget", "length", "samples", "accuracy", "fidelity")
 METRICS = ("accuracy", "fidelity")
@@ -226,7 +226,7 @@ def cmd_attention(args) -> int:
     images = default_images(args, model)
     prompt = read_prompt(args)
     pixel_values, tiles = model.preprocess_images(images) if images else (None, None)
-    input_ids = model.encode_chat(prompt, num_images=len(images), image_tiles=tiles)
+    input_ids = model.encode_chat(prompt, num_images=leading_images(prompt, len(images)), image_tiles=tiles)
     received = attention_received(model, input_ids, pixel_values)  # [N, L]
     is_image = (input_ids[0] == model.config.image_token_id) if model.is_multimodal else np.zeros(input_ids.shape[1], bool)
     summary = modality_summary(received, is_image)
