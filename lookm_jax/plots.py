@@ -230,7 +230,7 @@ def cmd_attention(args) -> int:
     received = attention_received(model, input_ids, pixel_values)  # [N, L]
     is_image = (input_ids[0] == model.config.image_token_id) if model.is_multimodal else np.zeros(input_ids.shape[1], bool)
     summary = modality_summary(received, is_image)
-    title = (f"{os.path.basename(args.model) if args.model else 'demo model (SmolLM2-135M + untrained CLIP)'}: "
+    title = (f"{os.path.basename(args.model) if args.model else 'demo model (SmolLM2-135M + scene-trained CLIP)'}: "
              f"{len(images)} image(s), prompt {prompt[:60]!r}")
     _save_png(draw_attention(received, is_image, summary, title), args.output)
     n_image = int(is_image.sum())

@@ -215,7 +215,7 @@ def _drop_cut_line(path: str) -> None:
 
 
 def _pixel_values(model, num_images: int) -> np.ndarray | None:
-    """The bundled pictures, cycled, as [num_images, 3, H, W] (noise to the demo's untrained tower)."""
+    """The bundled pictures, cycled, as [num_images, 3, H, W] (the demo's bundled scenes)."""
     if num_images == 0:
         return None
     pictures, _ = model.preprocess_images(DEFAULT_IMAGES)

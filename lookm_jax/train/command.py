@@ -2,29 +2,28 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "vision", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "vision",
         help="train the demo's vision tower + projector on procedural scenes (frozen decoder)",
         description="Stage 0 pretrains the tower on patch labels; stage 1 trains tower and projector on "
                     "answer tokens through the frozen SmolLM2 decoder. Resumes from OUTPUT's checkpoint.")
     p.add_argument("--steps", type=int, default=400, help="stage-1 steps (the cosine schedule's length)")
-    p.add_argument("--output", required=True, help="run folder: checkpoint, log.jsonl, demo_vision.safetensors")
-    p.add_argument("--learning-rate", type=float, default=2e-3)
-    p.add_argument("--warmup-steps", type=int, default=30)
+    p.add_argument("--output", required=True, help="run folder: checkpoint, log.jsonl, demo_vision.safetensors (required)")
+    p.add_argument("--learning-rate", type=float, default=2e-3, help="stage-1 peak AdamW learning rate")
+    p.add_argument("--warmup-steps", type=int, default=30, help="stage-1 linear warmup steps")
     p.add_argument("--batch-size", type=int, default=8, help="single-picture conversations per step")
     p.add_argument("--multi-every", type=int, default=4,
                    help="every N-th step trains on 4-picture conversations instead (0 = never)")
     p.add_argument("--pretrain-steps", type=int, default=300, help="stage-0 steps (0 = skip stage 0)")
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--checkpoint-every", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop-after", type=int, help="end this call after N steps (resume later)")
+    p.add_argument("--eval-every", type=int, default=50, help="steps between held-out accuracy checks")
+    p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
+    p.add_argument("--seed", type=int, default=0, help="seed of the scene stream and the stage-0 head")
+    p.add_argument("--stop-after", type=int, help="end this call after N steps, resumable (default: run to --steps)")
     p.set_defaults(func=cmd_vision)
 
 
