@@ -123,16 +123,20 @@ def render(scene: Scene, size: int = 112) -> Image.Image:
     image = Image.fromarray(np.clip(canvas, 0, 255).astype(np.uint8))
     draw = ImageDraw.Draw(image)
     for o in scene.objects:
-        x, y, r = o.x * big, o.y * big, o.radius * big
-        fill = COLOURS[o.colour]
-        if o.shape == "circle":
-            draw.ellipse((x - r, y - r, x + r, y + r), fill=fill)
-        elif o.shape == "square":
-            s = 0.85 * r  # a square of the same area as the circle is ~0.89 r; keep the sizes comparable
-            draw.rectangle((x - s, y - s, x + s, y + s), fill=fill)
-        else:
-            draw.polygon([(x, y - r), (x + r, y + 0.8 * r), (x - r, y + 0.8 * r)], fill=fill)
+        draw_object(draw, o, big, COLOURS[o.colour])
     return image.resize((size, size), Image.Resampling.BOX)
+
+
+def draw_object(draw: ImageDraw.ImageDraw, o: SceneObject, size: int, fill) -> None:
+    """Draw `o` on a size x size canvas: the one place the shapes' geometry is defined."""
+    x, y, r = o.x * size, o.y * size, o.radius * size
+    if o.shape == "circle":
+        draw.ellipse((x - r, y - r, x + r, y + r), fill=fill)
+    elif o.shape == "square":
+        s = 0.85 * r  # a square of the same area as the circle is ~0.89 r; keep the sizes comparable
+        draw.rectangle((x - s, y - s, x + s, y + s), fill=fill)
+    else:
+        draw.polygon([(x, y - r), (x + r, y + 0.8 * r), (x - r, y + 0.8 * r)], fill=fill)
 
 
 def _unique(scene: Scene, field: str) -> list[SceneObject]:

@@ -40,14 +40,7 @@ def patch_labels(scene: scenes.Scene, size: int, patch: int) -> tuple[np.ndarray
     ids = Image.new("L", (big, big), 0)
     draw = ImageDraw.Draw(ids)
     for i, o in enumerate(scene.objects, start=1):
-        x, y, r = o.x * big, o.y * big, o.radius * big
-        if o.shape == "circle":
-            draw.ellipse((x - r, y - r, x + r, y + r), fill=i)
-        elif o.shape == "square":
-            s = 0.85 * r
-            draw.rectangle((x - s, y - s, x + s, y + s), fill=i)
-        else:
-            draw.polygon([(x, y - r), (x + r, y + 0.8 * r), (x - r, y + 0.8 * r)], fill=i)
+        scenes.draw_object(draw, o, big, i)
     grid = np.asarray(ids).reshape(size // patch, 2 * patch, size // patch, 2 * patch).transpose(0, 2, 1, 3)
     grid = grid.reshape(-1, (2 * patch) ** 2)
     counts = np.stack([(grid == i).sum(-1) for i in range(len(scene.objects) + 1)], axis=-1)
