@@ -20,7 +20,7 @@ from lookm_jax.errors import InputError
 # imports (jax, matplotlib) inside their command functions so `lookm --help` stays fast.
 GROUP_HELP = {"eval": "evaluate methods on a benchmark", "plot": "draw figures", "train": "train models"}
 COMMAND_MODULES: dict[str, tuple[str, ...]] = {
-    "eval": ("lookm_jax.eval.milebench", "lookm_jax.eval.needle"),
+    "eval": ("lookm_jax.eval.milebench", "lookm_jax.eval.needle", "lookm_jax.eval.scenes"),
     "plot": ("lookm_jax.plots",),
     "train": ("lookm_jax.train.command",),
 }

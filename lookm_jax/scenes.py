@@ -61,9 +61,10 @@ class Scene:
 
 @dataclasses.dataclass(frozen=True)
 class Question:
-    kind: str  # one of KINDS
+    kind: str  # one of KINDS (or MULTI_KINDS)
     text: str
     answer: str  # one lower-case word
+    subject: int | None = None  # the object (or picture) index the question names or reveals
 
 
 def answer_text(answer: str) -> str:
@@ -158,13 +159,13 @@ def questions(scene: Scene, rng: np.random.Generator, kind: str,
         candidates = [o for o in _unique(scene, "shape") if target in (None, o)]
         if candidates:
             o = candidates[rng.integers(len(candidates))]
-            return Question(kind, phrase("colour", shape=o.shape), o.colour)
+            return Question(kind, phrase("colour", shape=o.shape), o.colour, scene.objects.index(o))
         return None
     if kind == "shape":
         candidates = [o for o in _unique(scene, "colour") if target in (None, o)]
         if candidates:
             o = candidates[rng.integers(len(candidates))]
-            return Question(kind, phrase("shape", colour=o.colour), o.shape)
+            return Question(kind, phrase("shape", colour=o.colour), o.shape, scene.objects.index(o))
         return None
     if kind == "position":
         options = [(axis, o) for o in scene.objects for axis in ("horizontal", "vertical")
@@ -174,7 +175,7 @@ def questions(scene: Scene, rng: np.random.Generator, kind: str,
         axis, o = options[rng.integers(len(options))]
         low, high = ("left", "right") if axis == "horizontal" else ("top", "bottom")
         answer = low if (o.x if axis == "horizontal" else o.y) < 0.5 else high
-        return Question(kind, phrase(axis, colour=o.colour, shape=o.shape), answer)
+        return Question(kind, phrase(axis, colour=o.colour, shape=o.shape), answer, scene.objects.index(o))
     raise ValueError(f"unknown question kind {kind!r}; expected one of {KINDS}")
 
 
@@ -188,19 +189,26 @@ def sample_question(scene: Scene, rng: np.random.Generator, kinds: tuple[str, ..
             return q
 
 
-def _distinct_questions(scene: Scene, rng: np.random.Generator, turns: int,
-                        kinds: tuple[str, ...]) -> list[Question]:
-    """`turns` questions, cycling through the kinds in a random order so that turns differ."""
-    order = [kinds[i] for i in rng.permutation(len(kinds))]
-    qs: list[Question] = []
-    for attempt in range(8 * turns):
-        if len(qs) == turns:
+def _conversation(scene: Scene, rng: np.random.Generator, turns: int, first: Question | None) -> list[Question]:
+    """Up to `turns` questions (starting with `first`) none of which an earlier turn's text answers.
+
+    A colour, shape or position question names one attribute of an object and its answer gives
+    another, so after one such turn the object's colour and shape are both in the text: each object
+    is the subject of at most one question, and the count is asked at most once. A scene with few
+    objects therefore has fewer turns.
+    """
+    qs = [first] if first is not None else []
+    options = [("count", None)] + [(k, o) for o in scene.objects for k in ("colour", "shape", "position")]
+    while len(qs) < turns:
+        used = {q.subject for q in qs if q.kind != "count"}
+        options = [(k, o) for k, o in options if (k == "count" and all(q.kind != "count" for q in qs))
+                   or (o is not None and scene.objects.index(o) not in used)]
+        if not options:
             break
-        q = questions(scene, rng, order[attempt % len(order)])
-        if q is not None and (len(kinds) == 1 or q not in qs):
+        kind, target = options.pop(int(rng.integers(len(options))))
+        q = questions(scene, rng, kind, target)
+        if q is not None:
             qs.append(q)
-    while len(qs) < turns:  # a scene that cannot answer enough different questions: repeat
-        qs.append(sample_question(scene, rng, kinds))
     return qs
 
 
@@ -212,21 +220,24 @@ class SingleSample:
 
 def single_picture_sample(split: str, seed: int, index: int, turns: int = 1,
                           kind: str | None = None) -> SingleSample:
-    """Scene `index` of a split with `turns` questions (of `kind`, or of mixed kinds).
+    """Scene `index` of a split with up to `turns` questions that do not answer each other (the first
+    of `kind` when given, see `_conversation`).
 
-    The "combination" split draws a green triangle (`HELD_OUT`) in every scene and asks its colour
-    or shape; nothing else in that scene shares either.
+    The "combination" split draws a green triangle (`HELD_OUT`) in every scene and first asks its
+    colour or shape; nothing else in that scene shares either.
     """
     rng = split_rng(split, seed, index)
     if split == "combination":
         scene = random_scene(rng, split, must_include=HELD_OUT)
         target = next(o for o in scene.objects if (o.colour, o.shape) == HELD_OUT)
-        return SingleSample(scene, tuple(sample_question(scene, rng, ("colour", "shape"), target)
-                                         for _ in range(turns)))
-    scene = random_scene(rng, split)
-    while kind is not None and questions(scene, rng, kind) is None:  # e.g. every object near the middle
+        first = sample_question(scene, rng, ("colour", "shape"), target)
+    else:
         scene = random_scene(rng, split)
-    return SingleSample(scene, tuple(_distinct_questions(scene, rng, turns, (kind,) if kind else KINDS)))
+        first = questions(scene, rng, kind) if kind is not None else None
+        while kind is not None and first is None:  # e.g. every object near the middle
+            scene = random_scene(rng, split)
+            first = questions(scene, rng, kind)
+    return SingleSample(scene, tuple(_conversation(scene, rng, turns, first)))
 
 
 def single_picture_samples(split: str, seed: int, n: int, turns: int = 1,
@@ -256,22 +267,27 @@ class MultiSample:
         return pictures + question.text
 
 
-def multi_question(scenes: tuple[Scene, ...], rng: np.random.Generator, kind: str) -> Question | None:
-    """A question of `kind` whose answer needs the pictures (None if these pictures cannot answer it)."""
+def multi_question(scenes: tuple[Scene, ...], rng: np.random.Generator, kind: str,
+                   exclude: frozenset[int] = frozenset()) -> Question | None:
+    """A question of `kind` whose answer needs the pictures, about a picture not in `exclude`
+    (None if these pictures cannot answer one). Its `subject` is the picture it names or reveals."""
     templates = MULTI_TEMPLATES[kind]
     text = templates[rng.integers(len(templates))]
     objects = [s.objects[0] for s in scenes]
+    free = [i for i in range(len(objects)) if i not in exclude]
     if kind in ("picture_colour", "picture_shape"):
-        k = int(rng.integers(len(objects)))
+        if not free:
+            return None
+        k = free[rng.integers(len(free))]
         o = objects[k]
-        return Question(kind, text.format(k=k + 1), o.colour if kind == "picture_colour" else o.shape)
+        return Question(kind, text.format(k=k + 1), o.colour if kind == "picture_colour" else o.shape, k)
     if kind == "which_picture":
         pairs = [(o.colour, o.shape) for o in objects]
-        unique = [i for i, p in enumerate(pairs) if pairs.count(p) == 1]
+        unique = [i for i in free if pairs.count(pairs[i]) == 1]
         if not unique:
             return None
         i = unique[rng.integers(len(unique))]
-        return Question(kind, text.format(colour=objects[i].colour, shape=objects[i].shape), f"picture {i + 1}")
+        return Question(kind, text.format(colour=objects[i].colour, shape=objects[i].shape), f"picture {i + 1}", i)
     if kind == "count_pictures":
         shape = SHAPES[rng.integers(len(SHAPES))]
         return Question(kind, text.format(shape=shape), NUMBERS[sum(o.shape == shape for o in objects)])
@@ -280,18 +296,21 @@ def multi_question(scenes: tuple[Scene, ...], rng: np.random.Generator, kind: st
 
 def multi_picture_sample(split: str, seed: int, index: int, pictures: int, turns: int = 1,
                          kinds: tuple[str, ...] = MULTI_KINDS) -> MultiSample:
-    """Set `index` of `pictures` one-object scenes, with `turns` questions across them."""
+    """Set `index` of `pictures` one-object scenes, with up to `turns` questions across them that do
+    not answer each other: each picture is the subject of at most one question, and no question
+    is asked twice."""
     if not 1 <= pictures < len(NUMBERS):
         raise ValueError(f"pictures must be in [1, {len(NUMBERS) - 1}], got {pictures}")
     rng = split_rng(split, seed, 10**6 + index)  # apart from the single-picture samples' streams
     scenes = tuple(random_scene(rng, split, n_objects=1) for _ in range(pictures))
     order = [kinds[i] for i in rng.permutation(len(kinds))]
     qs: list[Question] = []
-    attempt = 0
-    while len(qs) < turns:
-        q = multi_question(scenes, rng, order[attempt % len(order)])
-        attempt += 1
-        if q is not None:
+    for attempt in range(8 * turns):
+        if len(qs) == turns:
+            break
+        q = multi_question(scenes, rng, order[attempt % len(order)],
+                           frozenset(q.subject for q in qs if q.subject is not None))
+        if q is not None and q not in qs and all(q.text != p.text for p in qs):
             qs.append(q)
     return MultiSample(scenes, tuple(qs))
 

@@ -71,6 +71,14 @@ def tiny_llava_folder(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def demo():
+    """The embedded demo model (`load_default`), built once per session into the temporary LOOKM_CACHE."""
+    import lookm_jax
+
+    return lookm_jax.load_default()
+
+
+@pytest.fixture(scope="module")
 def tiny(tiny_llava_folder):
     """That tiny LLaVA loaded by lookm_jax (a fresh Model, so compile counts start at 0, per module)."""
     import lookm_jax

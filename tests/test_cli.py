@@ -17,11 +17,6 @@ from lookm_jax import cli, loading
 from lookm_jax.convert import store
 
 
-@pytest.fixture(scope="module")
-def demo():
-    return lookm_jax.load_default()
-
-
 @pytest.fixture
 def cli_demo(demo, monkeypatch, tmp_path):
     """`lookm` with the (already loaded) demo model as its default, run in an empty folder."""

@@ -148,11 +148,6 @@ def test_prefill_attention_memory_is_linear_in_length():
 # ---- SmolLM2 demo ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def demo():
-    return lookm_jax.load_default()  # from the session's temporary LOOKM_CACHE (conftest.py)
-
-
-@pytest.fixture(scope="module")
 def demo_prompt(demo):
     """The demo's two pictures, 4 times each (8 x 64 = 512 image tokens), and a short text: L ~ 550, bucket 768."""
     processor = CLIPImageProcessorConfig.from_hf_dict(demo.manifest["image_processor"])

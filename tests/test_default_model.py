@@ -16,10 +16,6 @@ from lookm_jax.convert import store
 from lookm_jax.convert.gguf import smollm2_gguf_path
 
 
-@pytest.fixture(scope="module")
-def demo():
-    return lookm_jax.load_default()  # built once per session into the temporary LOOKM_CACHE (conftest.py)
-
 
 def _demo_folder() -> str:
     return os.path.join(loading.cache_dir(), f"{loading.DEMO_NAME}-{loading.demo_key(smollm2_gguf_path())}")

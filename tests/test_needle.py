@@ -15,7 +15,7 @@ import pytest
 import lookm_jax
 from conftest import IMAGE_TOKEN, image_ids
 from lookm_jax import generate as gen, get_method, sweep
-from lookm_jax.eval import needle
+from lookm_jax.eval import harness, needle
 from lookm_jax.methods import Method
 from lookm_jax.scoring import STATISTICS
 
@@ -113,11 +113,6 @@ def test_concat_caches_stacks_rows_and_refuses_unequal_capacities(prefilled):
 
 # ---- needle samples -------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def demo():
-    return lookm_jax.load_default()
-
-
 @pytest.mark.parametrize("length", [1024, 2048])
 def test_samples_fit_their_length_with_images_over_70_percent(demo, length):
     per_image = demo.config.image_seq_length
@@ -162,7 +157,7 @@ def test_exact_match_needs_the_four_digits_as_a_whole_number(generated, correct)
 
 
 def test_sweep_configs_cover_every_method_and_lookm_variant():
-    configs = needle.sweep_configs(lookm_jax.METHODS, needle.DEFAULT_BUDGETS)
+    configs = harness.sweep_configs(lookm_jax.METHODS, harness.DEFAULT_BUDGETS)
     assert len(configs) == 1 + 4 * (4 + 8) and configs[0].label == "full"
     labels = {c.label for c in configs}
     assert {"H2O", "SnapKV", "RoCo", "StreamingLLM", "LOOK-M (text-prior, pivotal)",
@@ -170,9 +165,9 @@ def test_sweep_configs_cover_every_method_and_lookm_variant():
     lookm = configs[-1].build()
     assert (lookm.text_prior, lookm.merge, lookm.alpha_recent) == (False, "weighted", 0.25)
     with pytest.raises(ValueError, match="unknown methods"):
-        needle.sweep_configs(["h2o", "bogus"], [0.1])
+        harness.sweep_configs(["h2o", "bogus"], [0.1])
     with pytest.raises(ValueError, match="budgets"):
-        needle.sweep_configs(["h2o"], [0.0])
+        harness.sweep_configs(["h2o"], [0.0])
 
 
 # ---- the sweep on the tiny model ------------------------------------------------------------------
@@ -229,7 +224,7 @@ def test_sweep_rows_match_run_and_a_rerun_resumes(tiny_with_tokenizer, tmp_path)
                  "--budgets", "0.3", "--jsonl", jsonl, "--output", path, "--report-only"]) == 0
     with open(path) as f:
         table = list(csv.DictReader(f))
-    assert tuple(table[0]) == needle.CSV_COLUMNS and len(table) == 2
+    assert tuple(table[0]) == harness.CSV_COLUMNS and len(table) == 2
     assert {(r["label"], r["budget"], r["samples"]) for r in table} == {("full", "1.0", "4"), ("H2O", "0.3", "4")}
     assert float(next(r for r in table if r["label"] == "full")["fidelity"]) == 1.0
 

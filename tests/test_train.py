@@ -112,13 +112,6 @@ def test_pretraining_raises_patch_accuracy(tiny):
     assert log[-1]["loss"] < 0.6 * log[0]["loss"]
 
 
-@pytest.fixture(scope="module")
-def demo():
-    from lookm_jax import loading
-
-    return loading.demo_model(vision="init")  # tokenizer, template and shapes; the weights do not matter here
-
-
 def test_training_conversation_matches_inference_prompt(demo):
     encoder = data.Encoder.of(demo)
     sample = scenes.single_picture_sample("train", 0, 3, turns=3)
@@ -127,7 +120,7 @@ def test_training_conversation_matches_inference_prompt(demo):
     np.testing.assert_array_equal(ids[:first_answer], demo.encode_chat(sample.questions[0].text, num_images=1)[0])
     answers = demo.tokenizer.decode([t for t, r in zip(ids, role) if r], skip_special_tokens=False)
     assert answers == "".join(scenes.answer_text(q.answer) + "<|im_end|>" for q in sample.questions)
-    assert sum(r == 1 for r in role) == 3
+    assert sum(r == 1 for r in role) == len(sample.questions) > 1
     assert ids.count(demo.config.image_token_id) == demo.config.image_seq_length
 
 

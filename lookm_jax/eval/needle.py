@@ -8,16 +8,16 @@ correct when the needle's 4 digits appear in it as a whole number (not inside a 
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import json
 import os
 import re
-import time
 
 import numpy as np
 
 from lookm_jax.cli_args import DEFAULT_IMAGES
+from lookm_jax.eval import harness
+from lookm_jax.eval.harness import (DEFAULT_BUDGETS, SweepConfig, format_table, read_rows, summarize,
+                                    sweep_configs, write_csv)
 
 # SmolLM2's chat template with its default system prompt adds 30 tokens around the user turn.
 CHAT_TEMPLATE_TOKENS = 30
@@ -141,77 +141,7 @@ def is_correct(answer: str, generated: str) -> bool:
 
 # ---- the sweep ------------------------------------------------------------------------------------
 
-CSV_COLUMNS = ("label", "method", "text_prior", "merge", "budget", "length", "samples", "accuracy", "fidelity")
-DEFAULT_BUDGETS = (0.05, 0.1, 0.2, 0.5)
-LOOKM_MERGES = ("none", "averaged", "pivotal", "weighted")
-_LABELS = {"full": "full", "streamingllm": "StreamingLLM", "h2o": "H2O", "snapkv": "SnapKV", "roco": "RoCo"}
-
-
-@dataclasses.dataclass(frozen=True)
-class SweepConfig:
-    """One cache configuration of the sweep; text_prior/merge are LOOK-M's options ("" otherwise)."""
-    method: str
-    budget: float  # kept fraction of the prompt; 1.0 for the full cache
-    text_prior: str = ""  # "1" | "0" | ""
-    merge: str = ""  # "none" | "averaged" | "pivotal" | "weighted" | ""
-
-    @property
-    def label(self) -> str:
-        if self.method != "lookm":
-            return _LABELS.get(self.method, self.method)
-        prior = "text-prior" if self.text_prior == "1" else "no text-prior"
-        return f"LOOK-M ({prior}, {'no merge' if self.merge == 'none' else self.merge})"
-
-    def build(self):
-        from lookm_jax.methods import get_method
-
-        if self.method == "full":
-            return get_method("full")
-        options = {}
-        if self.method == "lookm":
-            options = {"text_prior": self.text_prior == "1", "merge": None if self.merge == "none" else self.merge}
-        return get_method(self.method, budget=self.budget, **options)
-
-
-def sweep_configs(methods, budgets) -> list[SweepConfig]:
-    """The full cache once, then every other method at every budget; "lookm" expands to its 8
-    variants (text-prior on/off x merge none/averaged/pivotal/weighted)."""
-    from lookm_jax.methods import METHODS
-
-    unknown = set(methods) - set(METHODS)
-    if unknown:
-        raise ValueError(f"unknown methods {sorted(unknown)}; known: {', '.join(METHODS)}")
-    if any(not 0 < b <= 1 for b in budgets):
-        raise ValueError(f"budgets must be fractions in (0, 1], got {budgets}")
-    configs = [SweepConfig("full", 1.0)]
-    for budget in budgets:
-        for name in (m for m in METHODS if m in methods and m != "full"):
-            if name == "lookm":
-                configs += [SweepConfig(name, budget, prior, merge) for prior in ("1", "0") for merge in LOOKM_MERGES]
-            else:
-                configs.append(SweepConfig(name, budget))
-    return configs
-
-
-def _row_key(row: dict) -> tuple:
-    return row["seed"], row["images"], row["length"], row["sample"], row["label"], row["budget"]
-
-
-def read_rows(path) -> list[dict]:
-    """Per-sample rows of a JSONL written by `run_sweep` ([] when the file does not exist yet); a
-    last line cut short by an interrupted write is ignored (and overwritten by the next run)."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        lines = f.read().split("\n")
-    return [json.loads(line) for line in lines[:-1] if line.strip()]  # lines[-1]: "" or a cut line
-
-
-def _drop_cut_line(path: str) -> None:
-    """Truncate the JSONL after its last complete line (an interrupted write leaves a partial one)."""
-    with open(path, "rb+") as f:
-        data = f.read()
-        f.truncate(data.rfind(b"\n") + 1)
+KEY_FIELDS = ("seed", "images", "length", "sample")
 
 
 def _pixel_values(model, num_images: int) -> np.ndarray | None:
@@ -225,59 +155,22 @@ def _pixel_values(model, num_images: int) -> np.ndarray | None:
 def run_sweep(model, configs: list[SweepConfig], lengths, n: int, seed: int, jsonl_path: str, *,
               text_only: bool = False, image_fraction: float = 0.75, batch_size: int = 4, max_new_tokens: int = 32,
               max_decode_rows: int = 16, first_sample: int = 0, log=print) -> list[dict]:
-    """Answer n needle samples per length with every config, appending per-sample rows to
-    `jsonl_path` as each batch finishes; rows already there (same seed, images, length, sample,
-    config) are skipped, so a rerun resumes. Each batch of `batch_size` samples is prefilled once
-    (`sweep.generate_methods`); greedy decoding; the full cache always runs, as fidelity's reference.
-    `first_sample` > 0 skips the samples before it (to split a sweep over processes, each with its
-    own JSONL). Returns every row of the file for these settings."""
-    from lookm_jax import sweep
-
-    if configs[0] != SweepConfig("full", 1.0):
-        raise ValueError("configs must start with the full cache (fidelity's reference)")
+    """Answer n needle samples per length with every config (`harness.run_prompts`: one prefill per
+    batch of `batch_size`, greedy, resumable JSONL rows). `first_sample` > 0 skips the samples before
+    it (to split a sweep over processes, each with its own JSONL). Returns every row of the file for
+    these settings."""
     image_seq_length = 0 if text_only else model.config.image_seq_length
-    methods = [c.build() for c in configs]
-    done = {_row_key(r) for r in read_rows(jsonl_path)}
-    os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
-    if os.path.exists(jsonl_path):
-        _drop_cut_line(jsonl_path)
-    start = time.perf_counter()
-    batches = [(length, first) for length in lengths for first in range(first_sample, n, batch_size)]
-    samples = {length: make_samples(model.tokenizer, length, n, seed, image_seq_length=image_seq_length,
-                                    image_fraction=image_fraction) for length in lengths}
-    for b, (length, first) in enumerate(batches):
-        batch = list(enumerate(samples[length]))[first:first + batch_size]
-        images = batch[0][1].num_images
-        todo = {(c.label, c.budget, i) for c in configs for i, _ in batch
-                if (seed, images, length, i, c.label, c.budget) not in done}
-        if not todo:
-            continue
-        encoded = [model.encode_chat(s.prompt)[0] for _, s in batch]
-        ids = np.zeros((len(batch), max(len(e) for e in encoded)), np.int32)
-        mask = np.zeros(ids.shape, bool)
-        for r, e in enumerate(encoded):
-            ids[r, :len(e)], mask[r, :len(e)] = e, True
-        pixels = _pixel_values(model, images * len(batch))
-        outputs = sweep.generate_methods(model, ids, pixels, mask, max_new_tokens, methods=methods,
-                                         max_decode_rows=max_decode_rows)
-        reference = outputs[0]
-        lines = []
-        for config, tokens in zip(configs, outputs):
-            for r, (i, sample) in enumerate(batch):
-                if (config.label, config.budget, i) not in todo:
-                    continue
-                text = model.decode_text(tokens[r])
-                lines.append(json.dumps({
-                    "seed": seed, "images": images, "length": length, "prompt_tokens": int(mask[r].sum()),
-                    "sample": i, "depth": sample.depth, "label": config.label, "method": config.method,
-                    "text_prior": config.text_prior, "merge": config.merge, "budget": config.budget,
-                    "answer": sample.answer, "output": text, "correct": is_correct(sample.answer, text),
-                    "fidelity": float(np.mean(tokens[r] == reference[r]))}))
-        with open(jsonl_path, "a") as f:
-            f.write("\n".join(lines) + "\n")
-        elapsed = time.perf_counter() - start
-        log(f"[{b + 1}/{len(batches)}] length {length} samples {first}-{first + len(batch) - 1}: "
-            f"{elapsed:.0f} s elapsed, ETA {elapsed / (b + 1) * (len(batches) - b - 1):.0f} s")
+    batches = []
+    for length in lengths:
+        samples = make_samples(model.tokenizer, length, n, seed, image_seq_length=image_seq_length,
+                               image_fraction=image_fraction)
+        pixels = _pixel_values(model, samples[0].num_images) if image_seq_length else None
+        prompts = [harness.Prompt({"seed": seed, "images": s.num_images, "length": length, "sample": i},
+                                  s.prompt, s.answer, pixels, {"depth": s.depth})
+                   for i, s in enumerate(samples)]
+        batches += [prompts[first:first + batch_size] for first in range(first_sample, n, batch_size)]
+    harness.run_prompts(model, configs, batches, jsonl_path, KEY_FIELDS, is_correct, max_new_tokens=max_new_tokens,
+                        max_decode_rows=max_decode_rows, log=log)
     return select_rows(read_rows(jsonl_path), configs, lengths, n, seed, text_only)
 
 
@@ -286,55 +179,14 @@ def select_rows(rows: list[dict], configs: list[SweepConfig], lengths, n: int, s
     """The rows of these settings: configs, lengths, samples 0..n-1, seed, with or without images.
     Refuses a length whose rows have different picture counts (runs with different --image-fraction
     in one JSONL), which one table would silently average."""
-    wanted = {(c.label, c.budget) for c in configs}
-    unique = {_row_key(r): r for r in reversed(rows)}  # one row per key (JSONLs may have been merged)
-    selected = [r for r in rows if unique[_row_key(r)] is r and r["seed"] == seed and r["length"] in lengths
-                and (r["images"] == 0) == text_only and r["sample"] < n and (r["label"], r["budget"]) in wanted]
+    selected = harness.unique_rows(rows, KEY_FIELDS, configs, lambda r: (
+        r["seed"] == seed and r["length"] in lengths and (r["images"] == 0) == text_only and r["sample"] < n))
     for length in lengths:
         counts = sorted({r["images"] for r in selected if r["length"] == length})
         if len(counts) > 1:
             raise ValueError(f"rows at length {length} have {counts} pictures per prompt (runs with different "
                              f"--image-fraction share one JSONL); give each its own --jsonl")
     return selected
-
-
-def summarize(rows: list[dict]) -> list[dict]:
-    """Per (config, length): samples, accuracy and fidelity (means over samples), CSV_COLUMNS keys."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        key = (r["label"], r["method"], r["text_prior"], r["merge"], r["budget"], r["length"])
-        groups.setdefault(key, []).append(r)
-    return [dict(zip(CSV_COLUMNS, key + (len(g), float(np.mean([r["correct"] for r in g])),
-                                         float(np.mean([r["fidelity"] for r in g])))))
-            for key, g in groups.items()]
-
-
-def write_csv(path: str, table: list[dict]) -> None:
-    """Write the summary table atomically (a temporary file renamed into place)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        writer.writerows(table)
-    os.replace(tmp, path)
-
-
-def format_table(table: list[dict], column: str = "accuracy") -> str:
-    """A markdown table of `column`: one row per config label, one column per (budget, length)."""
-    budgets = sorted({r["budget"] for r in table if r["method"] != "full"}) or [1.0]
-    lengths = sorted({r["length"] for r in table})
-    cells = {(r["label"], r["budget"], r["length"]): r[column] for r in table}
-    labels = list(dict.fromkeys(r["label"] for r in table))
-    head = ["config"] + [f"{b:g} @ {n}" for b in budgets for n in lengths]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for label in labels:
-        if label == "full":
-            values = [cells.get(("full", 1.0, n)) for b in budgets for n in lengths]
-        else:
-            values = [cells.get((label, b, n)) for b in budgets for n in lengths]
-        lines.append("| " + " | ".join([label] + ["" if v is None else f"{v:.2f}" for v in values]) + " |")
-    return "\n".join(lines)
 
 
 def format_depths(rows: list[dict]) -> str:
@@ -395,7 +247,7 @@ def cmd_needle(args) -> int:
         raise ValueError(f"need --samples >= 1 and --batch-size >= 1, got {args.samples}, {args.batch_size}")
     configs = sweep_configs(["full"] if args.mode == "calibrate" else (args.methods or METHODS), args.budgets)
     print(f"needle {args.mode}: {len(configs)} configs x lengths {args.lengths} x {args.samples} samples, "
-          f"seed {args.seed}, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+          f"seed {args.seed}, load average {harness.load_average()}", flush=True)
     if args.report_only:
         rows = select_rows(read_rows(jsonl), configs, args.lengths, args.samples, args.seed, args.text_only)
         if not rows:
@@ -412,5 +264,5 @@ def cmd_needle(args) -> int:
     if args.mode == "sweep":
         print("\naccuracy\n" + format_table(table) + "\n\nfidelity (first 32 greedy tokens equal to the full cache's)\n"
               + format_table(table, "fidelity"))
-    print(f"rows: {jsonl}; table: {output}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"rows: {jsonl}; table: {output}; load average {harness.load_average()}")
     return 0

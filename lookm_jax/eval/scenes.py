@@ -1,16 +1,31 @@
-"""Questions whose answers are in the pictures: held-out accuracy of the demo's trained vision side.
+"""Questions whose answers are in the pictures (`lookm eval scenes`), and the tower's held-out accuracy.
 
-`single_picture_accuracy` asks held-out scene questions (`lookm_jax.scenes`), one picture per prompt,
-greedy, full cache, and scores the first word of each answer.
+The benchmark asks MileBench-style multi-picture prompts ("Picture k: <image>" before each of the
+pictures, the question last) drawn from the "bench" split of `lookm_jax.scenes`, one task at a
+time: the colour or the shape of the object in picture k, which picture shows a colour-shape pair,
+how many pictures show a shape, and the magic-number needle of `lookm eval needle` hidden in text
+between real scene pictures. Image tokens are >= 75% of every prompt. It runs on the sweep harness
+(`lookm_jax.eval.harness`): one prefill per batch, resumable JSONL, `--report-only`, the CSV of
+`lookm plot sweep`.
+
+`single_picture_accuracy` is the trained tower's check: held-out single-picture questions, greedy,
+full cache, scored on the first word of the answer.
 """
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
 
 from lookm_jax import scenes
+from lookm_jax.eval import harness, needle
+
+TASKS = scenes.MULTI_KINDS + ("needle",)
+KEY_FIELDS = ("seed", "pictures", "task", "sample")
+NEEDLE_IMAGE_FRACTION = 0.75
+_NEEDLE_STREAM = 2 * 10**6  # the needle task's pictures: apart from the multi-picture samples' streams
 
 
 def first_word(text: str) -> str:
@@ -20,6 +35,99 @@ def first_word(text: str) -> str:
         return " ".join(words[:2])
     return words[0] if words else ""
 
+
+def is_correct(answer: str, output: str) -> bool:
+    """A needle's 4 digits as a whole number (`needle.is_correct`); a scene answer as the first word."""
+    return needle.is_correct(answer, output) if answer.isdigit() else first_word(output) == answer
+
+
+def task_prompts(model, task: str, pictures: int, n: int, seed: int) -> list[harness.Prompt]:
+    """Samples 0 .. n-1 of `task` with `pictures` pictures each, from the bench split."""
+    size = model.config.pixel_shape[-1]
+    out = []
+    if task == "needle":
+        samples = _needle_samples(model, pictures, n, seed)
+        if samples is None:
+            least = next((p for p in range(pictures + 1, len(scenes.NUMBERS)) if _needle_samples(model, p, 1, seed)),
+                         None)
+            raise ValueError(f"the needle task needs --pictures >= {least}, got {pictures} (its text is the "
+                             f"other {1 - NEEDLE_IMAGE_FRACTION:.0%} of the prompt)")
+        for i, s in enumerate(samples):
+            assert s.num_images == pictures, (s.num_images, pictures)
+            drawn = [scenes.random_scene(scenes.split_rng("bench", seed, _NEEDLE_STREAM + i * pictures + k), "bench")
+                     for k in range(s.num_images)]
+            pixels, _ = model.preprocess_images([scenes.render(d, size) for d in drawn])
+            out.append(harness.Prompt(_key(seed, pictures, task, i), s.prompt, s.answer, pixels,
+                                      {"depth": s.depth}))
+        return out
+    for i in range(n):
+        sample = scenes.multi_picture_sample("bench", seed, i, pictures, turns=1, kinds=(task,))
+        question = sample.questions[0]
+        pixels, _ = model.preprocess_images([scenes.render(s, size) for s in sample.scenes])
+        out.append(harness.Prompt(_key(seed, pictures, task, i), sample.prompt(question), question.answer, pixels))
+    return out
+
+
+def _needle_samples(model, pictures: int, n: int, seed: int) -> list | None:
+    """n needle samples with `pictures` pictures at NEEDLE_IMAGE_FRACTION, or None if too few fit the text."""
+    per_image = model.config.image_seq_length
+    length = round(pictures * per_image / NEEDLE_IMAGE_FRACTION)
+    try:
+        return needle.make_samples(model.tokenizer, length, n, seed, image_seq_length=per_image,
+                                   image_fraction=NEEDLE_IMAGE_FRACTION)
+    except ValueError:  # the haystack's text does not fit beside the pictures
+        return None
+
+
+def _key(seed: int, pictures: int, task: str, sample: int) -> dict:
+    return {"seed": seed, "pictures": pictures, "task": task, "sample": sample}
+
+
+def run_benchmark(model, configs: list[harness.SweepConfig], tasks, pictures, n: int, seed: int, jsonl_path: str,
+                  *, batch_size: int = 4, max_new_tokens: int = 8, max_decode_rows: int = 16, log=print) -> list[dict]:
+    """Every task at every picture count, n samples each, answered by every config; rows appended
+    to `jsonl_path` and resumed (`harness.run_prompts`). Returns the rows of these settings."""
+    batches = []
+    for count in pictures:
+        for task in tasks:
+            prompts = task_prompts(model, task, count, n, seed)
+            batches += [prompts[i:i + batch_size] for i in range(0, n, batch_size)]
+    harness.run_prompts(model, configs, batches, jsonl_path, KEY_FIELDS, is_correct, max_new_tokens=max_new_tokens,
+                        max_decode_rows=max_decode_rows, log=log)
+    return select_rows(harness.read_rows(jsonl_path), configs, tasks, pictures, n, seed)
+
+
+def select_rows(rows: list[dict], configs, tasks, pictures, n: int, seed: int) -> list[dict]:
+    return harness.unique_rows(rows, KEY_FIELDS, configs, lambda r: (
+        r["seed"] == seed and r["task"] in tasks and r["pictures"] in pictures and r["sample"] < n))
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """The sweep CSV's rows over all tasks; its length column is the longest prompt of each
+    picture count (one plot panel per picture count)."""
+    longest: dict[int, int] = {}
+    for r in rows:
+        longest[r["pictures"]] = max(longest.get(r["pictures"], 0), r["prompt_tokens"])
+    return harness.summarize(rows, length=lambda r: longest[r["pictures"]])
+
+
+def format_tasks(rows: list[dict]) -> str:
+    """Accuracy per config (rows) and task (columns), over every budget and picture count."""
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    configs = list(dict.fromkeys((r["label"], r["budget"]) for r in rows))
+    cells: dict[tuple, list[bool]] = {}
+    for r in rows:
+        cells.setdefault((r["label"], r["budget"], r["task"]), []).append(r["correct"])
+    lines = ["| config | budget | " + " | ".join(tasks) + " | all |", "|" + "---|" * (len(tasks) + 3)]
+    for label, budget in configs:
+        values = [cells.get((label, budget, t), []) for t in tasks]
+        every = [c for v in values for c in v]
+        lines.append(f"| {label} | {budget:g} | " + " | ".join(f"{np.mean(v):.2f}" if v else "" for v in values)
+                     + f" | {np.mean(every):.2f} |")
+    return "\n".join(lines)
+
+
+# ---- the tower's held-out check -------------------------------------------------------------------
 
 def held_out_questions(split: str, n: int, seed: int = 0) -> list[tuple[scenes.Scene, scenes.Question]]:
     """n questions of a split; the held-out split cycles through the four kinds evenly."""
@@ -37,12 +145,8 @@ def ask(model, pictures: list, prompts: list[str], batch_size: int = 12, max_new
     size = model.config.pixel_shape[-1]
     answers = []
     for start in range(0, len(prompts), batch_size):
-        chunk = list(range(start, min(start + batch_size, len(prompts))))
-        encoded = [model.encode_chat(prompts[i], num_images=1)[0] for i in chunk]
-        ids = np.zeros((len(chunk), max(len(e) for e in encoded)), np.int32)
-        mask = np.zeros(ids.shape, bool)
-        for r, e in enumerate(encoded):
-            ids[r, :len(e)], mask[r, :len(e)] = e, True
+        chunk = range(start, min(start + batch_size, len(prompts)))
+        ids, mask = harness.encode_batch(model, [prompts[i] for i in chunk], leading_images=1)
         pixels, _ = model.preprocess_images([scenes.render(pictures[i], size) for i in chunk])
         tokens = model.generate(ids, pixels, mask, max_new_tokens=max_new_tokens)
         answers += [model.decode_text(t) for t in tokens]
@@ -59,3 +163,63 @@ def single_picture_accuracy(model, split: str = "heldout", n: int = 60, seed: in
         by_kind.setdefault(q.kind, []).append(c)
     return {"accuracy": float(np.mean(correct)), "by_kind": {k: float(np.mean(v)) for k, v in by_kind.items()},
             "rows": [(q.text, q.answer, o) for (_, q), o in zip(items, outputs)]}
+
+
+# ---- the command ----------------------------------------------------------------------------------
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("scenes", help="multi-picture questions whose answers are in the pictures (demo model)")
+    p.add_argument("mode", choices=("calibrate", "sweep"),
+                   help="calibrate: the full cache only, accuracy per task; sweep: every config")
+    p.add_argument("--model", help="model folder or .gguf (default: the embedded SmolLM2 demo model)")
+    p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS), help="tasks to ask")
+    p.add_argument("--pictures", type=int, nargs="+", default=[8],
+                   help=f"pictures per prompt, each in [2, {len(scenes.NUMBERS) - 1}]")
+    p.add_argument("--samples", type=int, default=52,
+                   help="samples per task and picture count (a multiple of --batch-size compiles once)")
+    p.add_argument("--budgets", type=float, nargs="+", default=list(harness.DEFAULT_BUDGETS),
+                   help="kept fractions of the prompt, each in (0, 1]")
+    p.add_argument("--methods", nargs="+", help="methods to sweep (default: all; lookm = its 8 variants)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the bench split's pictures and questions")
+    p.add_argument("--batch-size", type=int, default=4, help="samples prefilled together")
+    p.add_argument("--max-new-tokens", type=int, default=8, help="greedy tokens per answer")
+    p.add_argument("--max-decode-rows", type=int, default=16, help="rows per shared decode call")
+    p.add_argument("--jsonl", help="per-sample rows, appended and resumed (default: results/scenes/MODE.jsonl)")
+    p.add_argument("--output", help="summary CSV in the `lookm plot sweep` format (default: docs/scenes_MODE.csv)")
+    p.add_argument("--report-only", action="store_true",
+                   help="summarise the rows already in the JSONL (e.g. of an interrupted run); run nothing")
+    p.set_defaults(func=cmd_scenes)
+
+
+def cmd_scenes(args) -> int:
+    import lookm_jax
+    from lookm_jax.methods import METHODS
+
+    jsonl = args.jsonl or os.path.join("results", "scenes", f"{args.mode}.jsonl")
+    output = args.output or os.path.join("docs", f"scenes_{args.mode}.csv")
+    if args.samples < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
+        raise ValueError(f"need --samples, --batch-size and --max-new-tokens >= 1, got {args.samples}, "
+                         f"{args.batch_size}, {args.max_new_tokens}")
+    bad = [p for p in args.pictures if not 2 <= p < len(scenes.NUMBERS)]
+    if bad:
+        raise ValueError(f"--pictures must each be in [2, {len(scenes.NUMBERS) - 1}], got {bad}")
+    configs = harness.sweep_configs(["full"] if args.mode == "calibrate" else (args.methods or METHODS), args.budgets)
+    print(f"scenes {args.mode}: {len(configs)} configs x tasks {' '.join(args.tasks)} x pictures {args.pictures} x "
+          f"{args.samples} samples, seed {args.seed}, load average {harness.load_average()}", flush=True)
+    if args.report_only:
+        rows = select_rows(harness.read_rows(jsonl), configs, args.tasks, args.pictures, args.samples, args.seed)
+        if not rows:
+            raise ValueError(f"{jsonl} holds no rows for these settings")
+    else:
+        model = lookm_jax.load(args.model) if args.model else lookm_jax.load_default()
+        rows = run_benchmark(model, configs, args.tasks, args.pictures, args.samples, args.seed, jsonl,
+                             batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                             max_decode_rows=args.max_decode_rows, log=lambda s: print(s, flush=True))
+    table = summarize(rows)
+    harness.write_csv(output, table)
+    print("accuracy per task\n" + format_tasks(rows))
+    if args.mode == "sweep":
+        print("\naccuracy, all tasks\n" + harness.format_table(table) + "\n\nfidelity (greedy tokens equal to the "
+              "full cache's)\n" + harness.format_table(table, "fidelity"))
+    print(f"rows: {jsonl}; table: {output}; load average {harness.load_average()}")
+    return 0

@@ -18,10 +18,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--warmup-steps", type=int, default=30, help="stage-1 linear warmup steps")
     p.add_argument("--batch-size", type=int, default=8, help="single-picture conversations per step")
     p.add_argument("--multi-every", type=int, default=4,
-                   help="every N-th step trains on 4-picture conversations instead (0 = never)")
+                   help="every N-th step trains on 8-picture conversations instead (0 = never)")
     p.add_argument("--pretrain-steps", type=int, default=300, help="stage-0 steps (0 = skip stage 0)")
     p.add_argument("--eval-every", type=int, default=50, help="steps between held-out accuracy checks")
     p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
+    p.add_argument("--init", metavar="WEIGHTS",
+                   help="start stage 1 from these exported weights (a demo_vision.safetensors; skips stage 0) "
+                        "instead of the seeded tower (default: seeded tower)")
     p.add_argument("--seed", type=int, default=0, help="seed of the scene stream and the stage-0 head")
     p.add_argument("--stop-after", type=int, help="end this call after N steps, resumable (default: run to --steps)")
     p.set_defaults(func=cmd_vision)
@@ -42,9 +45,15 @@ def cmd_vision(args) -> int:
         single=dataclasses.replace(defaults.single, batch_size=args.batch_size),
         multi=defaults.multi if args.multi_every else None, multi_every=max(args.multi_every, 1),
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
-        pretrain=tower.PretrainConfig(steps=args.pretrain_steps, seed=args.seed) if args.pretrain_steps else None)
+        pretrain=tower.PretrainConfig(steps=args.pretrain_steps, seed=args.seed)
+        if args.pretrain_steps and not args.init else None)
     model = loading.demo_model(vision="init")
-    trainable = vision.train(model, config, args.output, stop_after=args.stop_after)
+    start = None
+    if args.init:
+        if not os.path.isfile(args.init):
+            raise FileNotFoundError(f"--init: no such weights file: {args.init}")
+        start = loading.read_demo_vision(args.init)
+    trainable = vision.train(model, config, args.output, trainable=start, stop_after=args.stop_after)
     path = os.path.join(args.output, "demo_vision.safetensors")
     vision.export_weights(path, trainable, {"train_config": json.dumps(dataclasses.asdict(config)),
                                             "vision_config": json.dumps(loading.DEMO_VISION)})

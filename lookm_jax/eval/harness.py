@@ -1,0 +1,216 @@
+"""The sweep harness shared by `lookm eval needle` and `lookm eval scenes`.
+
+A benchmark turns its samples into `Prompt`s grouped in batches; `run_prompts` prefills each batch
+once, answers it with every cache config (`lookm_jax.sweep.generate_methods`) and appends one JSONL
+row per (sample, config), skipping the rows already there, so an interrupted run resumes. Rows are
+identified by the benchmark's key fields plus the config's label and budget. `summarize` and
+`write_csv` give the CSV that `lookm plot sweep` reads.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+CSV_COLUMNS = ("label", "method", "text_prior", "merge", "budget", "length", "samples", "accuracy", "fidelity")
+DEFAULT_BUDGETS = (0.05, 0.1, 0.2, 0.5)
+LOOKM_MERGES = ("none", "averaged", "pivotal", "weighted")
+_LABELS = {"full": "full", "streamingllm": "StreamingLLM", "h2o": "H2O", "snapkv": "SnapKV", "roco": "RoCo"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+    """One cache configuration of the sweep; text_prior/merge are LOOK-M's options ("" otherwise)."""
+    method: str
+    budget: float  # kept fraction of the prompt; 1.0 for the full cache
+    text_prior: str = ""  # "1" | "0" | ""
+    merge: str = ""  # "none" | "averaged" | "pivotal" | "weighted" | ""
+
+    @property
+    def label(self) -> str:
+        if self.method != "lookm":
+            return _LABELS.get(self.method, self.method)
+        prior = "text-prior" if self.text_prior == "1" else "no text-prior"
+        return f"LOOK-M ({prior}, {'no merge' if self.merge == 'none' else self.merge})"
+
+    def build(self):
+        from lookm_jax.methods import get_method
+
+        if self.method == "full":
+            return get_method("full")
+        options = {}
+        if self.method == "lookm":
+            options = {"text_prior": self.text_prior == "1", "merge": None if self.merge == "none" else self.merge}
+        return get_method(self.method, budget=self.budget, **options)
+
+
+def sweep_configs(methods, budgets) -> list[SweepConfig]:
+    """The full cache once, then every other method at every budget; "lookm" expands to its 8
+    variants (text-prior on/off x merge none/averaged/pivotal/weighted)."""
+    from lookm_jax.methods import METHODS
+
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise ValueError(f"unknown methods {sorted(unknown)}; known: {', '.join(METHODS)}")
+    if any(not 0 < b <= 1 for b in budgets):
+        raise ValueError(f"budgets must be fractions in (0, 1], got {budgets}")
+    configs = [SweepConfig("full", 1.0)]
+    for budget in budgets:
+        for name in (m for m in METHODS if m in methods and m != "full"):
+            if name == "lookm":
+                configs += [SweepConfig(name, budget, prior, merge) for prior in ("1", "0") for merge in LOOKM_MERGES]
+            else:
+                configs.append(SweepConfig(name, budget))
+    return configs
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One sample as the harness asks it: a user turn with an "<image>" marker per picture."""
+    key: dict  # the benchmark's key fields of the sample (e.g. seed, length, sample)
+    text: str
+    answer: str
+    pixel_values: np.ndarray | None  # [num_images, 3, H, W], in marker order
+    fields: dict = dataclasses.field(default_factory=dict)  # more columns of its rows (e.g. the depth)
+
+
+def row_key(row: dict, key_fields: Sequence[str]) -> tuple:
+    return tuple(row[f] for f in key_fields) + (row["label"], row["budget"])
+
+
+def read_rows(path) -> list[dict]:
+    """Per-sample rows of a JSONL written by `run_prompts` ([] when the file does not exist yet); a
+    last line cut short by an interrupted write is ignored (and overwritten by the next run)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = f.read().split("\n")
+    return [json.loads(line) for line in lines[:-1] if line.strip()]  # lines[-1]: "" or a cut line
+
+
+def _drop_cut_line(path: str) -> None:
+    """Truncate the JSONL after its last complete line (an interrupted write leaves a partial one)."""
+    with open(path, "rb+") as f:
+        data = f.read()
+        f.truncate(data.rfind(b"\n") + 1)
+
+
+def encode_batch(model, texts: Sequence[str], leading_images: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """User turns (with inline "<image>" markers, after `leading_images` more) -> right-padded
+    chat-templated ids [B, L] int32 and their mask [B, L] bool."""
+    encoded = [model.encode_chat(t, num_images=leading_images)[0] for t in texts]
+    ids = np.zeros((len(encoded), max(len(e) for e in encoded)), np.int32)
+    mask = np.zeros(ids.shape, bool)
+    for r, e in enumerate(encoded):
+        ids[r, :len(e)], mask[r, :len(e)] = e, True
+    return ids, mask
+
+
+def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Prompt]], jsonl_path: str,
+                key_fields: Sequence[str], is_correct: Callable[[str, str], bool], *, max_new_tokens: int,
+                max_decode_rows: int = 16, log=print) -> None:
+    """Answer every batch with every config, appending rows to `jsonl_path` batch by batch.
+
+    Rows already in the file (same key fields, label and budget) are skipped, so a rerun resumes.
+    A row holds the key fields, the prompt's fields, its real token count, the config, the output,
+    `correct` (`is_correct(answer, output)`) and `fidelity` (share of greedy tokens equal to the
+    full cache's, which always runs first). `key_fields` name a sample (one of them "sample").
+    """
+    from lookm_jax import sweep
+
+    if configs[0] != SweepConfig("full", 1.0):
+        raise ValueError("configs must start with the full cache (fidelity's reference)")
+    methods = [c.build() for c in configs]
+    done = {row_key(r, key_fields) for r in read_rows(jsonl_path)}
+    os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
+    if os.path.exists(jsonl_path):
+        _drop_cut_line(jsonl_path)
+    start, ran = time.perf_counter(), 0
+    for b, batch in enumerate(batches):
+        keys = [tuple(p.key[f] for f in key_fields) for p in batch]
+        todo = {(c.label, c.budget, k) for c in configs for k in keys if k + (c.label, c.budget) not in done}
+        if not todo:
+            continue
+        ids, mask = encode_batch(model, [p.text for p in batch])
+        pixels = None if batch[0].pixel_values is None else np.concatenate([p.pixel_values for p in batch])
+        outputs = sweep.generate_methods(model, ids, pixels, mask, max_new_tokens, methods=methods,
+                                         max_decode_rows=max_decode_rows)
+        reference = outputs[0]
+        lines = []
+        for config, tokens in zip(configs, outputs):
+            for r, (prompt, key) in enumerate(zip(batch, keys)):
+                if (config.label, config.budget, key) not in todo:
+                    continue
+                text = model.decode_text(tokens[r])
+                lines.append(json.dumps({
+                    **prompt.key, "prompt_tokens": int(mask[r].sum()), **prompt.fields, "label": config.label,
+                    "method": config.method, "text_prior": config.text_prior, "merge": config.merge,
+                    "budget": config.budget, "answer": prompt.answer, "output": text,
+                    "correct": bool(is_correct(prompt.answer, text)),
+                    "fidelity": float(np.mean(tokens[r] == reference[r]))}))
+        with open(jsonl_path, "a") as f:
+            f.write("\n".join(lines) + "\n")
+        ran += 1
+        elapsed = time.perf_counter() - start
+        setting = ", ".join(f"{f} {batch[0].key[f]}" for f in key_fields if f != "sample")
+        log(f"[{b + 1}/{len(batches)}] {setting} samples {batch[0].key['sample']}-{batch[-1].key['sample']}: "
+            f"{elapsed:.0f} s elapsed, ETA {elapsed / ran * (len(batches) - b - 1):.0f} s")
+
+
+def unique_rows(rows: list[dict], key_fields: Sequence[str], configs: list[SweepConfig],
+                keep: Callable[[dict], bool]) -> list[dict]:
+    """One row per key (the last written; JSONLs may have been merged) of these configs, where `keep`."""
+    wanted = {(c.label, c.budget) for c in configs}
+    unique = {row_key(r, key_fields): r for r in reversed(rows)}
+    return [r for r in rows if unique[row_key(r, key_fields)] is r and (r["label"], r["budget"]) in wanted
+            and keep(r)]
+
+
+def summarize(rows: list[dict], length: Callable[[dict], int] = lambda r: r["length"]) -> list[dict]:
+    """Per (config, length): samples, accuracy and fidelity (means over samples), CSV_COLUMNS keys.
+    `length` gives a row's setting for the CSV's length column (the plot's panels)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        key = (r["label"], r["method"], r["text_prior"], r["merge"], r["budget"], length(r))
+        groups.setdefault(key, []).append(r)
+    return [dict(zip(CSV_COLUMNS, key + (len(g), float(np.mean([r["correct"] for r in g])),
+                                         float(np.mean([r["fidelity"] for r in g])))))
+            for key, g in groups.items()]
+
+
+def write_csv(path: str, table: list[dict]) -> None:
+    """Write the summary table atomically (a temporary file renamed into place)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows(table)
+    os.replace(tmp, path)
+
+
+def format_table(table: list[dict], column: str = "accuracy") -> str:
+    """A markdown table of `column`: one row per config label, one column per (budget, length)."""
+    budgets = sorted({r["budget"] for r in table if r["method"] != "full"}) or [1.0]
+    lengths = sorted({r["length"] for r in table})
+    cells = {(r["label"], r["budget"], r["length"]): r[column] for r in table}
+    labels = list(dict.fromkeys(r["label"] for r in table))
+    head = ["config"] + [f"{b:g} @ {n}" for b in budgets for n in lengths]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label in labels:
+        if label == "full":
+            values = [cells.get(("full", 1.0, n)) for b in budgets for n in lengths]
+        else:
+            values = [cells.get((label, b, n)) for b in budgets for n in lengths]
+        lines.append("| " + " | ".join([label] + ["" if v is None else f"{v:.2f}" for v in values]) + " |")
+    return "\n".join(lines)
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())

@@ -1,0 +1,129 @@
+"""Scenes: the generator's questions, the `lookm eval scenes` benchmark, and what the trained tower sees."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from lookm_jax import scenes
+from lookm_jax.eval import harness, scenes as bench
+
+
+def test_training_split_never_draws_the_held_out_pair():
+    drawn = {(o.colour, o.shape) for i in range(400) for o in scenes.single_picture_sample("train", 0, i, 3).scene.objects}
+    assert scenes.HELD_OUT not in drawn and len(drawn) == 4 * 3 - 1
+    combination = scenes.single_picture_sample("combination", 0, 0)
+    assert scenes.HELD_OUT in {(o.colour, o.shape) for o in combination.scene.objects}
+
+
+def test_conversation_turns_do_not_answer_each_other():
+    """Each object is the subject of one question at most (any question about it puts its colour
+    and shape in the text), the count is asked once at most; the same holds across pictures."""
+    for i in range(300):
+        sample = scenes.single_picture_sample("train", 0, i, 3)
+        subjects = [q.subject for q in sample.questions if q.kind != "count"]
+        assert len(subjects) == len(set(subjects)) and sum(q.kind == "count" for q in sample.questions) <= 1
+        assert 1 <= len(sample.questions) <= min(3, len(sample.scene.objects) + 1)
+        multi = scenes.multi_picture_sample("train", 0, i, 8, 3)
+        pictures = [q.subject for q in multi.questions if q.subject is not None]
+        assert len(pictures) == len(set(pictures)) and len({q.text for q in multi.questions}) == len(multi.questions)
+
+
+def test_answers_follow_the_drawn_objects():
+    for i in range(50):
+        sample = scenes.single_picture_sample("heldout", 0, i, 3)
+        for q in sample.questions:
+            if q.kind == "count":
+                assert q.answer == scenes.NUMBERS[len(sample.scene.objects)]
+            else:
+                o = sample.scene.objects[q.subject]
+                assert q.answer in (o.colour, o.shape, "left", "right", "top", "bottom")
+        multi = scenes.multi_picture_sample("bench", 0, i, 5, 1, kinds=("picture_colour",))
+        q = multi.questions[0]
+        assert f"picture {q.subject + 1}" in q.text and q.answer == multi.scenes[q.subject].objects[0].colour
+
+
+def test_scoring_reads_the_first_word_or_the_needle():
+    assert bench.is_correct("yellow", "Yellow.") and not bench.is_correct("yellow", "The shape is yellow.")
+    assert bench.is_correct("picture 3", "Picture 3.") and not bench.is_correct("picture 3", "Picture 13.")
+    assert bench.is_correct("4821", "The number is 4821.") and not bench.is_correct("4821", "48210")
+
+
+def test_every_task_prompt_is_mostly_image_tokens(demo):
+    for task in bench.TASKS:
+        for prompt in bench.task_prompts(demo, task, 8, 3, seed=0):
+            ids, _ = harness.encode_batch(demo, [prompt.text])
+            image = int((ids == demo.config.image_token_id).sum())
+            assert prompt.pixel_values.shape == (8, 3, 112, 112) and prompt.text.count("<image>") == 8
+            assert image == 8 * demo.config.image_seq_length and image / ids.shape[1] >= 0.75, (task, image, ids.shape)
+            if task == "needle":
+                assert f"is {prompt.answer}." in prompt.text
+            else:
+                assert "Picture 8: <image>" in prompt.text and prompt.answer == prompt.answer.lower()
+
+
+@pytest.mark.slow
+def test_eval_scenes_end_to_end_resumes_and_reports(demo, tmp_path, capsys):
+    from lookm_jax.cli import main
+
+    jsonl, table = str(tmp_path / "rows.jsonl"), str(tmp_path / "scenes.csv")
+    argv = ["eval", "scenes", "sweep", "--tasks", "picture_colour", "which_picture", "--pictures", "3",
+            "--samples", "2", "--batch-size", "2", "--methods", "h2o", "--budgets", "0.5", "--max-new-tokens", "4",
+            "--jsonl", jsonl, "--output", table]
+    assert main(argv) == 0
+    lines = open(jsonl).read().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert len(rows) == 2 * 2 * 2  # tasks x samples x (full, H2O)
+    assert {(r["task"], r["label"]) for r in rows} == {(t, c) for t in ("picture_colour", "which_picture")
+                                                      for c in ("full", "H2O")}
+    assert all(r["correct"] == bench.is_correct(r["answer"], r["output"]) for r in rows)
+    assert all(r["fidelity"] == 1.0 for r in rows if r["label"] == "full")
+    # Interrupted in the middle of writing the last batch: the rerun redoes that batch alone.
+    with open(jsonl, "w") as f:
+        f.write("\n".join(lines[:4]) + "\n" + lines[4][:30])
+    assert main(argv) == 0
+    assert open(jsonl).read().splitlines()[:4] == lines[:4]
+    again = [json.loads(line) for line in open(jsonl).read().splitlines()]
+    assert len(again) == len(rows) and [r["output"] for r in again] == [r["output"] for r in rows]
+    capsys.readouterr()
+    assert main(argv + ["--report-only"]) == 0
+    assert "accuracy per task" in capsys.readouterr().out
+    with open(table) as f:
+        summary = list(csv.DictReader(f))
+    assert tuple(summary[0]) == harness.CSV_COLUMNS and len(summary) == 2
+    assert {int(r["samples"]) for r in summary} == {4} and len({r["length"] for r in summary}) == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pictures", "1"], "--pictures must each be in [2, 10], got [1]"),
+    (["--pictures", "11"], "--pictures must each be in [2, 10], got [11]"),
+    (["--samples", "0"], "need --samples, --batch-size and --max-new-tokens >= 1"),
+    (["--methods", "bogus"], "unknown methods ['bogus']"),
+    (["--budgets", "0"], "budgets must be fractions in (0, 1]"),
+    (["--tasks", "needle", "--pictures", "3"], "the needle task needs --pictures >= 6, got 3"),
+])
+def test_eval_scenes_refuses_bad_arguments_in_one_line(argv, message, tmp_path, capsys):
+    from lookm_jax.cli import main
+
+    jsonl = tmp_path / "rows.jsonl"
+    assert main(["eval", "scenes", "sweep", "--jsonl", str(jsonl), "--output", str(tmp_path / "t.csv"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and not jsonl.exists()
+
+
+def test_report_only_without_rows_is_refused(tmp_path, capsys):
+    from lookm_jax.cli import main
+
+    assert main(["eval", "scenes", "calibrate", "--report-only", "--jsonl", str(tmp_path / "none.jsonl")]) == 2
+    assert "holds no rows" in capsys.readouterr().err
+
+
+def test_shipped_tower_answers_held_out_questions(demo):
+    """The issue's bar: >= 90% of 60 held-out single-picture questions (greedy, full cache); the
+    held-out colour-shape combination is reported beside it, not required."""
+    result = bench.single_picture_accuracy(demo, "heldout", 60)
+    combination = bench.single_picture_accuracy(demo, "combination", 24)
+    print(f"held-out {result['accuracy']:.2f} {result['by_kind']}; combination {combination['accuracy']:.2f}")
+    assert result["accuracy"] >= 0.9, result["by_kind"]
