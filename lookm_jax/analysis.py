@@ -82,3 +82,81 @@ def modality_summary(received: np.ndarray, is_image: np.ndarray) -> dict:
     return {"image_share": received[:, image].sum(1) / total, "text_share": received[:, text].sum(1) / total,
             "first_share": received[:, 0] / total, "image_per_query": _mean(per_query[:, image]),
             "text_per_query": _mean(per_query[:, text]), "image_token_share": float(is_image.mean())}
+
+
+def merge_traffic(model, input_ids, pixel_values, attention_mask, method) -> dict:
+    """Where a merging LOOK-M `method` folds the evicted pairs of one right-padded batch.
+
+    Runs the method's selection (its budget and text-prior, merge off), then eq. 9's assignment of
+    every evicted key to its most cosine-similar kept key, per layer and KV head. Returns counts
+    over rows, layers and heads (`traffic_shares` turns them into shares): kept slots, text_slots,
+    evicted pairs, evicted_image pairs, image_into_text (evicted image pairs whose slot holds text),
+    image_into_recent_text (... a text slot in the recent window), absorbed_by_text (evicted pairs
+    folded into text slots), absorbed_max (the most one slot absorbs), and the cosine sums of the
+    image pairs merged into text and into image slots.
+    """
+    import dataclasses
+
+    from lookm_jax import merge
+
+    if getattr(method, "merge", None) is None:
+        raise ValueError(f"merge_traffic needs a merging LOOK-M method, got {method}")
+    prompt = inputs.prepare(model, input_ids, pixel_values, attention_mask, 1, [method])
+    bucket = prompt.ids.shape[1]
+    prefilled = gen.prefill_states(model.config, model.params, jnp.asarray(prompt.ids), jnp.asarray(prompt.valid),
+                                   prompt.pixel_values, jax.random.key(0), statistics=method.statistics,
+                                   window=gen.query_window(method, bucket), sampling=gen.Sampling())
+    cache = gen.compress_prefilled(prefilled, method=dataclasses.replace(method, merge=None), max_new_tokens=1)
+    positions = cache.positions[..., :-1]  # [N, B, Hkv, S]: the prompt's slots (the last is decode's)
+    kept_keys = cache.keys[..., :-1, :]
+    target, cos = jax.vmap(functools.partial(merge.assign, block=128))(prefilled.keys, kept_keys, positions >= 0)
+    positions, target, cos = (np.asarray(a) for a in (positions, target, cos))
+    valid, is_image = np.asarray(prefilled.valid), np.asarray(prefilled.is_image)
+    n_layers, b, h, length = target.shape
+    lengths = valid.sum(1)
+    n_recent = np.asarray(method.budgets(jnp.asarray(valid))[0])  # [B] M
+    slot = positions >= 0
+    kept = np.zeros((*target.shape[:-1], length + 1), bool)  # [N, B, Hkv, L + 1]; column L: empty slots
+    np.put_along_axis(kept, np.where(slot, positions, length), True, axis=-1)
+    kept = kept[..., :length]
+    evicted = valid[None, :, None, :] & ~kept
+    target_position = np.take_along_axis(positions, target, axis=-1)  # [N, B, Hkv, L]
+    rows = np.arange(b)[None, :, None, None]
+    target_image = is_image[rows, np.maximum(target_position, 0)]
+    target_recent = target_position >= (lengths - n_recent)[None, :, None, None]
+    source_image = np.broadcast_to(is_image[None, :, None, :], evicted.shape)
+    image_moves = evicted & source_image
+    into_text, into_image = image_moves & ~target_image, image_moves & target_image
+    absorbed = np.zeros(positions.shape, np.int64)  # [N, B, Hkv, S]: evicted pairs per kept slot
+    for index in np.ndindex(n_layers, b, h):
+        np.add.at(absorbed[index], target[index][evicted[index]], 1)
+    slot_image = is_image[np.arange(b)[None, :, None, None], np.maximum(positions, 0)] & slot
+    slot_text = slot & ~slot_image
+
+    return {"kept": int(slot.sum()), "text_slots": int(slot_text.sum()), "evicted": int(evicted.sum()),
+            "evicted_image": int(image_moves.sum()), "image_into_text": int(into_text.sum()),
+            "image_into_recent_text": int((into_text & target_recent).sum()),
+            "absorbed_by_text": int((absorbed * slot_text).sum()), "absorbed_max": int(absorbed.max()),
+            "cosine_image_text_sum": float(cos[into_text].sum()), "cosine_image_image_sum": float(cos[into_image].sum())}
+
+
+def traffic_shares(counts: dict) -> dict:
+    """`merge_traffic` counts (summed over batches: every key adds, but absorbed_max takes the max) ->
+    {"evicted_image": share of evicted pairs that are image; "text_slots": share of kept slots
+    holding text; "image_into_text" / "image_into_recent_text": share of evicted image pairs folded
+    into a text slot / one in the recent window; "absorbed_text", "absorbed_image": mean evicted
+    pairs per kept text / image slot; "absorbed_max"; "cosine_image_text", "cosine_image_image": mean
+    cosine of the image pairs merged into text / image slots (NaN when there are none)}."""
+    def ratio(part, whole) -> float:
+        return part / whole if whole else float("nan")
+
+    c = counts
+    image_into_image = c["evicted_image"] - c["image_into_text"]
+    return {"evicted_image": ratio(c["evicted_image"], c["evicted"]), "text_slots": ratio(c["text_slots"], c["kept"]),
+            "image_into_text": ratio(c["image_into_text"], c["evicted_image"]),
+            "image_into_recent_text": ratio(c["image_into_recent_text"], c["evicted_image"]),
+            "absorbed_text": ratio(c["absorbed_by_text"], c["text_slots"]),
+            "absorbed_image": ratio(c["evicted"] - c["absorbed_by_text"], c["kept"] - c["text_slots"]),
+            "absorbed_max": c["absorbed_max"],
+            "cosine_image_text": ratio(c["cosine_image_text_sum"], c["image_into_text"]),
+            "cosine_image_image": ratio(c["cosine_image_image_sum"], image_into_image)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 
+import numpy as np
 import pytest
 
 from lookm_jax import scenes
@@ -127,3 +128,31 @@ def test_shipped_tower_answers_held_out_questions(demo):
     combination = bench.single_picture_accuracy(demo, "combination", 24)
     print(f"held-out {result['accuracy']:.2f} {result['by_kind']}; combination {combination['accuracy']:.2f}")
     assert result["accuracy"] >= 0.9, result["by_kind"]
+
+
+def test_merge_traffic_accounts_for_every_evicted_pair(tiny):
+    import math
+
+    from conftest import image_ids
+    from lookm_jax import analysis, get_method
+
+    per_image = tiny.config.image_seq_length
+    ids = image_ids(per_image, [3, 4, "img", 5, 6, 7, "img", 8, 9, 10, 11])[None]
+    pixels = np.random.default_rng(0).standard_normal((2, 3, 30, 30)).astype(np.float32)
+    length, text = ids.shape[1], 9
+    method = get_method("lookm", budget=0.2, merge="pivotal")
+    counts = analysis.merge_traffic(tiny, ids, pixels, np.ones(ids.shape, bool), method)
+    traffic = analysis.traffic_shares(counts)
+    heads = tiny.config.text.num_layers * tiny.config.text.num_kv_heads
+    kept_per_head = 2 * math.floor(0.1 * length)
+    assert counts["kept"] == heads * kept_per_head and counts["evicted"] == heads * (length - kept_per_head)
+    # Text-prior keeps every text token (9 < 2 x 6 slots), so only image pairs are evicted.
+    assert traffic["evicted_image"] == 1.0 and traffic["text_slots"] == text / kept_per_head
+    text_slots, image_slots = heads * text, heads * (kept_per_head - text)
+    absorbed = traffic["absorbed_text"] * text_slots + traffic["absorbed_image"] * image_slots
+    assert absorbed == pytest.approx(counts["evicted"])
+    assert counts["absorbed_by_text"] == counts["image_into_text"]  # every source is an image pair
+    assert 0 <= counts["image_into_recent_text"] <= counts["image_into_text"] <= counts["evicted_image"]
+    assert -1 <= traffic["cosine_image_image"] <= 1
+    with pytest.raises(ValueError, match="needs a merging LOOK-M"):
+        analysis.merge_traffic(tiny, ids, pixels, np.ones(ids.shape, bool), get_method("lookm", budget=0.2, merge=None))
