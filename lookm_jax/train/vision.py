@@ -46,6 +46,10 @@ class TrainConfig:
     eval_every: int = 50
     checkpoint_every: int = 25
     eval_samples: int = 32  # held-out single-picture questions (and as many held-out-combination ones)
+    # Weight of the penalty on image-token norms: mean (log(|x| / mean |text embedding|))^2. Without it
+    # the projector's outputs grew to ~100x the text embeddings' norm (308 vs 2.8), where the frozen
+    # decoder's residual updates cannot move them and the gradient to the tower vanished.
+    image_norm_weight: float = 0.1
     pretrain: PretrainConfig | None = PretrainConfig()  # stage 0 (tower alone), run before step 1
 
     def __post_init__(self):
@@ -69,10 +73,14 @@ def optimizer(config: TrainConfig) -> optax.GradientTransformation:
                        optax.adamw(schedule, weight_decay=config.weight_decay))
 
 
-def answer_metrics(cfg, trainable: dict, text_params: dict, batch: dict) -> tuple[jax.Array, jax.Array]:
-    """(mean cross-entropy over the answer tokens, accuracy of each answer's first token: its word)."""
+def answer_metrics(cfg, trainable: dict, text_params: dict, batch: dict) -> tuple[jax.Array, dict]:
+    """Mean cross-entropy over the answer tokens, and {"accuracy": of each answer's first token (its
+    word), "image_norm": penalty term of the image tokens' norms (`TrainConfig.image_norm_weight`)}."""
     params = {"text": text_params, **trainable}
-    x, _ = llava.embed(cfg, params, batch["ids"], batch["pixel_values"])
+    x, is_image = llava.embed(cfg, params, batch["ids"], batch["pixel_values"])
+    text_norm = jnp.linalg.norm(text_params["embed"].astype(jnp.float32), axis=-1).mean()
+    log_ratio = jnp.log(jnp.linalg.norm(x.astype(jnp.float32), axis=-1) / text_norm)  # [B, L]
+    image_norm = jnp.where(is_image, log_ratio**2, 0.0).sum() / jnp.maximum(is_image.sum(), 1)
     h = llama.forward(cfg.text, text_params, x, batch["valid"])  # [B, L, H]
     h = jnp.take_along_axis(h, batch["target_positions"][..., None], axis=1)  # [B, A, H]
     logits = llama.lm_logits(text_params, h)  # [B, A, V] fp32: the head runs on answer slots only
@@ -81,20 +89,25 @@ def answer_metrics(cfg, trainable: dict, text_params: dict, batch: dict) -> tupl
     count = jnp.maximum(mask.sum(), 1.0)
     correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
     first = batch["answer_start"].astype(jnp.float32)
-    return (nll * mask).sum() / count, (correct * first).sum() / jnp.maximum(first.sum(), 1.0)
+    accuracy = (correct * first).sum() / jnp.maximum(first.sum(), 1.0)
+    return (nll * mask).sum() / count, {"accuracy": accuracy, "image_norm": image_norm}
 
 
-def make_step(cfg, tx: optax.GradientTransformation) -> Callable:
-    """(trainable, opt_state, text_params, batch) -> (trainable, opt_state, loss, accuracy).
+def make_step(cfg, tx: optax.GradientTransformation, image_norm_weight: float = 0.0) -> Callable:
+    """(trainable, opt_state, text_params, batch) -> (trainable, opt_state, answer loss, metrics).
 
+    Minimises the answer loss + image_norm_weight x the image-norm penalty (`answer_metrics`).
     Jitted; the trainable parameters and optimizer state are donated. Static through the closure:
-    the model config and the optimizer. Each batch kind (its shapes) compiles once.
+    the model config, the optimizer and the weight. Each batch kind (its shapes) compiles once.
     """
+    def objective(trainable, text_params, batch):
+        loss, metrics = answer_metrics(cfg, trainable, text_params, batch)
+        return loss + image_norm_weight * metrics["image_norm"], (loss, metrics)
+
     def step(trainable, opt_state, text_params, batch):
-        (loss, accuracy), grads = jax.value_and_grad(
-            lambda t: answer_metrics(cfg, t, text_params, batch), has_aux=True)(trainable)
+        (_, (loss, metrics)), grads = jax.value_and_grad(objective, has_aux=True)(trainable, text_params, batch)
         updates, opt_state = tx.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state, loss, accuracy
+        return optax.apply_updates(trainable, updates), opt_state, loss, metrics
 
     return jax.jit(step, donate_argnums=(0, 1))
 
@@ -156,7 +169,7 @@ class HeldOut:
     def __call__(self, metrics: Callable, trainable: dict, text_params: dict) -> dict[str, float]:
         out = {}
         for split, batches in self.batches.items():
-            accuracy = [float(metrics(trainable, text_params, b)[1]) for b in batches]
+            accuracy = [float(metrics(trainable, text_params, b)[1]["accuracy"]) for b in batches]
             out[f"{split}_accuracy"] = float(np.mean(accuracy))
         return out
 
@@ -197,7 +210,7 @@ def train(model, config: TrainConfig, output: str, *, trainable: dict | None = N
         def batch_fn(s: int) -> Batch:
             spec = config.spec(s)
             return spec.make(encoder, "train", config.seed, (s - 1) * spec.batch_size, image_size)
-    train_step = make_step(cfg, tx)
+    train_step = make_step(cfg, tx, config.image_norm_weight)
     metrics = jax.jit(lambda t, p, b: answer_metrics(cfg, t, p, b))
     held_out = HeldOut(encoder, config, image_size) if encoder is not None else None
     last = config.steps if stop_after is None else min(config.steps, step + stop_after)
@@ -207,9 +220,10 @@ def train(model, config: TrainConfig, output: str, *, trainable: dict | None = N
     while step < last:
         step += 1
         batch = batch_fn(step)
-        trainable, opt_state, loss, accuracy = train_step(trainable, opt_state, text_params, _arrays(batch))
+        trainable, opt_state, loss, metrics = train_step(trainable, opt_state, text_params, _arrays(batch))
         tokens += int(batch.valid.sum())
-        record = {"step": step, "loss": float(loss), "accuracy": float(accuracy),
+        record = {"step": step, "loss": float(loss), "accuracy": float(metrics["accuracy"]),
+                  "image_norm": float(metrics["image_norm"]),
                   "pictures": int(batch.pixel_values.shape[0] // batch.ids.shape[0])}
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['accuracy']:.2f}",
