@@ -16,8 +16,8 @@ interleaved across configurations; compile time is reported apart):
   * peak RSS (ru_maxrss) of prefill + scoring + compression at each --rss-lengths, each in a fresh
     subprocess whose peak counter is reset (/proc/self/clear_refs) after the model is loaded and
     the program compiled, so neither is counted. These run first, while this process is small.
-Prompts are ~80% image tokens: demo images of 256 tokens (the two bundled pictures, cycled) and
-filler text. The demo's vision tower is untrained, which does not matter for speed or memory.
+Prompts are ~80% image tokens: demo pictures of 64 tokens (the two bundled scenes, cycled) and
+filler text. What the tower sees does not matter for speed or memory.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def reset_peak_rss() -> None:
 def build_prompt(model, length: int) -> tuple[np.ndarray, np.ndarray]:
     """A chat prompt of at most `length` tokens, IMAGE_FRACTION of them image tokens.
 
-    -> (ids [1, <= length] int32, pixel_values [n_images, 3, 224, 224] float32)."""
+    -> (ids [1, <= length] int32, pixel_values [n_images, 3, 112, 112] float32)."""
     from PIL import Image
 
     from lookm_jax.cli_args import DEFAULT_IMAGES

@@ -14,7 +14,7 @@ import numpy as np
 
 from lookm_jax import scenes
 from lookm_jax.convert.tokenizer import apply_chat_template
-from lookm_jax.models.image_processing import CLIPImageProcessorConfig, preprocess_images
+from lookm_jax.models.processors import Processor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,15 +35,16 @@ class Encoder:
     chat_template: str
     image_token_id: int
     image_seq_length: int
-    image_processor: CLIPImageProcessorConfig
+    processor: Processor  # the model's own input side (its image preprocessor)
 
     @classmethod
     def of(cls, model) -> "Encoder":
-        _, height, width = model.config.pixel_shape
-        settings = model.manifest.get("image_processor") or {
-            "size": {"shortest_edge": height}, "crop_size": {"height": height, "width": width}}
         return cls(model.tokenizer, model.manifest["chat_template"], model.config.image_token_id,
-                   model.config.image_seq_length, CLIPImageProcessorConfig.from_hf_dict(settings))
+                   model.config.image_seq_length, model.processor)
+
+    def pixels(self, pictures: Sequence) -> np.ndarray:
+        """PIL images -> pixel_values [N, 3, S, S] float32, as the model preprocesses them."""
+        return self.processor.preprocess(list(pictures))[0]
 
     def conversation(self, turns: Sequence[tuple[str, str]]) -> tuple[list[int], list[bool]]:
         """[(user text, assistant text), ...] -> (ids with placeholders expanded, per id: 0 = prompt,
@@ -87,7 +88,7 @@ class Encoder:
             targets[i, :len(where)] = [row[t] for t in where]
             mask[i, :len(where)] = True
             first[i, :len(where)] = [role[t] == 1 for t in where]
-        pixel_values = preprocess_images(list(pictures), self.image_processor)
+        pixel_values = self.pixels(pictures)
         return Batch(ids, valid, pixel_values, positions, targets, mask, first)
 
 

@@ -11,6 +11,7 @@ tokens. The head is discarded: at inference only pixels reach the features.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,6 @@ from PIL import Image, ImageDraw
 
 from lookm_jax import scenes
 from lookm_jax.models import clip
-from lookm_jax.models.image_processing import CLIPImageProcessorConfig, preprocess_images
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +50,12 @@ def patch_labels(scene: scenes.Scene, size: int, patch: int) -> tuple[np.ndarray
     return colour_of[owner].astype(np.int32), shape_of[owner].astype(np.int32)
 
 
-def dataset(cfg, config: PretrainConfig, processor: CLIPImageProcessorConfig) -> dict[str, np.ndarray]:
-    """`config.dataset` training scenes: pixels [N, 3, S, S], colour/shape labels [N, P]."""
+def dataset(cfg, config: PretrainConfig, preprocess: Callable[[list], np.ndarray]) -> dict[str, np.ndarray]:
+    """`config.dataset` training scenes: pixels [N, 3, S, S] (`preprocess`: PIL images -> pixel
+    values, the model's own processor), colour/shape labels [N, P]."""
     size, patch = cfg.image_size, cfg.patch_size
     samples = [scenes.single_picture_sample("train", config.seed, 10**7 + i) for i in range(config.dataset)]
-    pixels = preprocess_images([scenes.render(s.scene, size) for s in samples], processor)
+    pixels = preprocess([scenes.render(s.scene, size) for s in samples])
     labels = [patch_labels(s.scene, size, patch) for s in samples]
     return {"pixels": pixels, "colour": np.stack([c for c, _ in labels]), "shape": np.stack([s for _, s in labels])}
 
@@ -78,12 +79,12 @@ def patch_loss(cfg, tower: dict, head: dict, batch: dict) -> tuple[jax.Array, ja
     return sum(losses), sum(accuracy) / 2
 
 
-def pretrain(cfg, tower: dict, processor: CLIPImageProcessorConfig, config: PretrainConfig,
+def pretrain(cfg, tower: dict, preprocess: Callable[[list], np.ndarray], config: PretrainConfig,
              progress: bool = True) -> tuple[dict, list[dict]]:
     """Train `tower` (CLIP params, cfg: CLIPVisionConfig) on patch labels -> (tower, log records)."""
     from tqdm import tqdm
 
-    data = dataset(cfg, config, processor)
+    data = dataset(cfg, config, preprocess)
     head = init_head(cfg, config.seed)
     warmup = min(config.warmup_steps, config.steps // 2)
     schedule = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, warmup, config.steps)

@@ -200,7 +200,7 @@ def train(model, config: TrainConfig, output: str, *, trainable: dict | None = N
         step, trainable, opt_state = restored
         _truncate_log(os.path.join(output, LOG), step)
     elif config.pretrain is not None and batch_fn is None:
-        tower, records = pretrain(cfg.vision, trainable["vision"], encoder.image_processor, config.pretrain,
+        tower, records = pretrain(cfg.vision, trainable["vision"], encoder.pixels, config.pretrain,
                                   progress=progress)
         trainable = {**trainable, "vision": jax.device_put(tower)}
         with open(os.path.join(output, LOG), "w") as f:
@@ -220,10 +220,10 @@ def train(model, config: TrainConfig, output: str, *, trainable: dict | None = N
     while step < last:
         step += 1
         batch = batch_fn(step)
-        trainable, opt_state, loss, metrics = train_step(trainable, opt_state, text_params, _arrays(batch))
+        trainable, opt_state, loss, step_metrics = train_step(trainable, opt_state, text_params, _arrays(batch))
         tokens += int(batch.valid.sum())
-        record = {"step": step, "loss": float(loss), "accuracy": float(metrics["accuracy"]),
-                  "image_norm": float(metrics["image_norm"]),
+        record = {"step": step, "loss": float(loss), "accuracy": float(step_metrics["accuracy"]),
+                  "image_norm": float(step_metrics["image_norm"]),
                   "pictures": int(batch.pixel_values.shape[0] // batch.ids.shape[0])}
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['accuracy']:.2f}",
