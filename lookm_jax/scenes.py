@@ -302,17 +302,19 @@ def multi_picture_sample(split: str, seed: int, index: int, pictures: int, turns
     if not 1 <= pictures < len(NUMBERS):
         raise ValueError(f"pictures must be in [1, {len(NUMBERS) - 1}], got {pictures}")
     rng = split_rng(split, seed, 10**6 + index)  # apart from the single-picture samples' streams
-    scenes = tuple(random_scene(rng, split, n_objects=1) for _ in range(pictures))
-    order = [kinds[i] for i in rng.permutation(len(kinds))]
-    qs: list[Question] = []
-    for attempt in range(8 * turns):
-        if len(qs) == turns:
-            break
-        q = multi_question(scenes, rng, order[attempt % len(order)],
-                           frozenset(q.subject for q in qs if q.subject is not None))
-        if q is not None and q not in qs and all(q.text != p.text for p in qs):
-            qs.append(q)
-    return MultiSample(scenes, tuple(qs))
+    while True:  # pictures that can answer none of `kinds` (e.g. no unique colour-shape pair) are redrawn
+        scenes = tuple(random_scene(rng, split, n_objects=1) for _ in range(pictures))
+        order = [kinds[i] for i in rng.permutation(len(kinds))]
+        qs: list[Question] = []
+        for attempt in range(8 * turns):
+            if len(qs) == turns:
+                break
+            q = multi_question(scenes, rng, order[attempt % len(order)],
+                               frozenset(q.subject for q in qs if q.subject is not None))
+            if q is not None and all(q.text != p.text for p in qs):
+                qs.append(q)
+        if qs:
+            return MultiSample(scenes, tuple(qs))
 
 
 # The demo's bundled pictures (lookm_jax/assets/scene_1.png, scene_2.png are these, rendered).

@@ -150,9 +150,10 @@ def _truncate_log(path: str, step: int) -> None:
 
 
 def _complete_step(line: str) -> float:
+    """A record's step (0 for stage 0's records); inf for a line cut short by the kill."""
     try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError):  # a line cut short by the kill
+        return json.loads(line).get("step", 0)
+    except ValueError:
         return float("inf")
 
 
