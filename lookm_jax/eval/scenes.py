@@ -84,7 +84,7 @@ def _key(seed: int, pictures: int, task: str, sample: int) -> dict:
 
 
 def run_benchmark(model, configs: list[harness.SweepConfig], tasks, pictures, n: int, seed: int, jsonl_path: str,
-                  *, batch_size: int = 4, max_new_tokens: int = 8, max_decode_rows: int = 16, log=print) -> list[dict]:
+                  *, batch_size: int = 4, max_new_tokens: int = 16, max_decode_rows: int = 16, log=print) -> list[dict]:
     """Every task at every picture count, n samples each, answered by every config; rows appended
     to `jsonl_path` and resumed (`harness.run_prompts`). Returns the rows of these settings."""
     batches = []
@@ -182,7 +182,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--methods", nargs="+", help="methods to sweep (default: all; lookm = its 8 variants)")
     p.add_argument("--seed", type=int, default=0, help="seed of the bench split's pictures and questions")
     p.add_argument("--batch-size", type=int, default=4, help="samples prefilled together")
-    p.add_argument("--max-new-tokens", type=int, default=8, help="greedy tokens per answer")
+    p.add_argument("--max-new-tokens", type=int, default=16,
+                   help="greedy tokens per answer (the needle's sentence takes ~12)")
     p.add_argument("--max-decode-rows", type=int, default=16, help="rows per shared decode call")
     p.add_argument("--jsonl", help="per-sample rows, appended and resumed (default: results/scenes/MODE.jsonl)")
     p.add_argument("--output", help="summary CSV in the `lookm plot sweep` format (default: docs/scenes_MODE.csv)")
