@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 
-import numpy as np
-
 COLUMNS = ("evicted_image", "text_slots", "absorbed_text", "absorbed_image", "absorbed_max", "image_into_text",
            "image_into_recent_text", "cosine_image_text", "cosine_image_image")
 
@@ -43,9 +41,7 @@ def main() -> None:
             method = get_method("lookm", budget=budget, text_prior=text_prior, merge="pivotal")
             counts: dict = {}
             for start in range(0, len(prompts), 4):
-                batch = prompts[start:start + 4]
-                ids, mask = harness.encode_batch(model, [p.text for p in batch])
-                pixels = np.concatenate([p.pixel_values for p in batch])
+                ids, mask, pixels = harness.batch_inputs(model, prompts[start:start + 4])
                 for key, value in analysis.merge_traffic(model, ids, pixels, mask, method).items():
                     counts[key] = max(counts.get(key, 0), value) if key == "absorbed_max" else counts.get(key, 0) + value
             row = {"budget": budget, "text_prior": text_prior, "evicted": counts["evicted"],

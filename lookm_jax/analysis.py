@@ -127,10 +127,10 @@ def merge_traffic(model, input_ids, pixel_values, attention_mask, method) -> dic
     source_image = np.broadcast_to(is_image[None, :, None, :], evicted.shape)
     image_moves = evicted & source_image
     into_text, into_image = image_moves & ~target_image, image_moves & target_image
-    absorbed = np.zeros(positions.shape, np.int64)  # [N, B, Hkv, S]: evicted pairs per kept slot
-    for index in np.ndindex(n_layers, b, h):
-        np.add.at(absorbed[index], target[index][evicted[index]], 1)
-    slot_image = is_image[np.arange(b)[None, :, None, None], np.maximum(positions, 0)] & slot
+    slots = positions.shape[-1]
+    head = np.arange(n_layers * b * h).reshape(n_layers, b, h, 1)  # each (layer, row, head) its own S slots
+    absorbed = np.bincount((head * slots + target)[evicted], minlength=head.size * slots).reshape(positions.shape)
+    slot_image = is_image[rows, np.maximum(positions, 0)] & slot
     slot_text = slot & ~slot_image
 
     return {"kept": int(slot.sum()), "text_slots": int(slot_text.sum()), "evicted": int(evicted.sum()),

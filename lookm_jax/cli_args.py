@@ -11,13 +11,13 @@ import os
 import sys
 
 from lookm_jax.errors import InputError
+from lookm_jax.models.processors import IMAGE_MARKER
 
 # The demo: two bundled scenes (lookm_jax.scenes.DEMO_SCENES), each after its "Picture k:" marker.
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 DEFAULT_IMAGES = [os.path.join(ASSETS, "scene_1.png"), os.path.join(ASSETS, "scene_2.png")]
 DEFAULT_PROMPT = "Picture 1: <image>\nPicture 2: <image>\nWhat colour is the shape in picture 2?"
 DEFAULT_TEXT_PROMPT = "Write a haiku about the sea."  # the default prompt without pictures (--text-only)
-IMAGE_MARKER = "<image>"
 DTYPES = ("float32", "bfloat16")
 
 

@@ -112,6 +112,13 @@ def encode_batch(model, texts: Sequence[str], leading_images: int = 0) -> tuple[
     return ids, mask
 
 
+def batch_inputs(model, batch: Sequence[Prompt]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A batch of prompts -> (ids [B, L], mask [B, L], pixel_values of all their pictures in order or None)."""
+    ids, mask = encode_batch(model, [p.text for p in batch])
+    pixels = None if batch[0].pixel_values is None else np.concatenate([p.pixel_values for p in batch])
+    return ids, mask, pixels
+
+
 def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Prompt]], jsonl_path: str,
                 key_fields: Sequence[str], is_correct: Callable[[str, str], bool], *, max_new_tokens: int,
                 max_decode_rows: int = 16, log=print) -> None:
@@ -137,8 +144,7 @@ def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Pr
         todo = {(c.label, c.budget, k) for c in configs for k in keys if k + (c.label, c.budget) not in done}
         if not todo:
             continue
-        ids, mask = encode_batch(model, [p.text for p in batch])
-        pixels = None if batch[0].pixel_values is None else np.concatenate([p.pixel_values for p in batch])
+        ids, mask, pixels = batch_inputs(model, batch)
         outputs = sweep.generate_methods(model, ids, pixels, mask, max_new_tokens, methods=methods,
                                          max_decode_rows=max_decode_rows)
         reference = outputs[0]

@@ -18,13 +18,13 @@ from lookm_jax.cli_args import DEFAULT_IMAGES
 from lookm_jax.eval import harness
 from lookm_jax.eval.harness import (DEFAULT_BUDGETS, SweepConfig, format_table, read_rows, summarize,
                                     sweep_configs, write_csv)
+from lookm_jax.models.processors import IMAGE_MARKER
 
 # SmolLM2's chat template with its default system prompt adds 30 tokens around the user turn.
 CHAT_TEMPLATE_TOKENS = 30
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 QUESTION = "What is the special magic number for {word}? Answer with the number only."
 NEEDLE = "The special magic number for {word} is {number}."
-IMAGE_MARKER = "<image>"
 
 # Needle keys and haystack vocabulary. The haystack's sentences are drawn from these lists, so
 # they never mention numbers or the needle's phrasing.
