@@ -23,22 +23,15 @@ def attention_received_padded(cfg, params: dict, input_ids: jax.Array, valid: ja
                               pixel_values: jax.Array | None) -> jax.Array:
     """input_ids/valid [B, L] (right-padded), pixel_values [n_images, C, H, W] or None.
 
-    Static: cfg; L is the static bucket length. Scans the layers as ``llama.forward`` does and
-    returns A_s per layer, mean over every query head: [num_layers, B, L] float32, 0 at padding.
+    Static: cfg; L is the static bucket length. The prompt encoder's per-layer hook keeps A_s, mean
+    over every query head: returns [num_layers, B, L] float32, 0 at padding.
     """
-    text_cfg = llava.text_config(cfg)
     x, _ = llava.embed(cfg, params, input_ids, pixel_values)  # [B, L, H]
-    positions = jnp.broadcast_to(jnp.arange(x.shape[1]), valid.shape)
-    cos, sin = llama.rope_tables(text_cfg, positions, x.dtype)
 
-    def layer(h, lp):
-        q, k, v = llama.project_qkv(text_cfg, lp, h, cos, sin)
-        attn, stats = llama.causal_attention(q, k, v, valid, statistics=(SUMS,))
-        received = scores_from_stats(stats).mean(axis=1)  # [B, Hkv, L] -> [B, L]
-        return llama.finish_layer(text_cfg, lp, h, attn), received
+    def received(q, k, v, stats):  # A_s [B, Hkv, L] -> mean over every query head [B, L]
+        return scores_from_stats(stats).mean(axis=1)
 
-    _, received = jax.lax.scan(layer, x, params["text"]["layers"])
-    return received
+    return llama.encode(llava.text_config(cfg), params["text"], x, valid, (SUMS,), received)[1]
 
 
 def attention_received(model, input_ids, pixel_values=None) -> np.ndarray:

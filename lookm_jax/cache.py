@@ -1,8 +1,9 @@
-"""The KV cache pytree: fixed shapes, masks for empty slots, a write cursor.
+"""The KV cache pytree: fixed shapes, masks for empty slots, a write cursor; and its operations.
 
-Layout: one stacked array per quantity over layers, so the decoder's layer `scan` indexes it and
-decode writes one slot in place (the jitted decode donates the cache, so XLA updates its buffers
-rather than copying them every step).
+Layout: one array per layer and quantity (tuples of N arrays), so the decode loop, a Python loop
+over layers, reads and writes each layer's own buffers: nothing is sliced out of a stacked
+[N, ...] array, so no layer's K/V is copied on a decode step, and the jitted decode donates the
+cache, so XLA updates the buffers in place.
 
 Slots [0, cursor) hold the (possibly compressed) prompt; decode appends at `cursor`. A slot is valid
 iff its `positions` entry is >= 0, so padding, evicted and not-yet-written slots never get attended.
@@ -18,30 +19,92 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-    keys: jax.Array  # [N, B, Hkv, S, D], RoPE-rotated at each token's original position
-    values: jax.Array  # [N, B, Hkv, S, D]
-    positions: jax.Array  # [N, B, Hkv, S] int32 original token position, -1 = empty slot
+    layer_keys: tuple[jax.Array, ...]  # N x [B, Hkv, S, D], RoPE-rotated at each token's original position
+    layer_values: tuple[jax.Array, ...]  # N x [B, Hkv, S, D]
+    layer_positions: tuple[jax.Array, ...]  # N x [B, Hkv, S] int32 original token position, -1 = empty slot
     cursor: jax.Array  # [] int32, next slot decode writes (shared by all rows)
     next_position: jax.Array  # [B] int32, RoPE position of each row's next token
 
     @property
-    def mask(self) -> jax.Array:
-        """[N, B, Hkv, S] bool: slot holds a real token."""
-        return self.positions >= 0
+    def num_layers(self) -> int:
+        return len(self.layer_keys)
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[3]
+        return self.layer_keys[0].shape[2]
 
     @property
     def nbytes(self) -> int:
         """Bytes of keys and values (what decode reads each step)."""
-        return self.keys.nbytes + self.values.nbytes
+        return sum(a.nbytes for a in self.layer_keys + self.layer_values)
+
+    # Stacked [N, ...] views, for inspection and tests (each call builds a new array).
+    @property
+    def keys(self) -> jax.Array:
+        return jnp.stack(self.layer_keys)
+
+    @property
+    def values(self) -> jax.Array:
+        return jnp.stack(self.layer_values)
+
+    @property
+    def positions(self) -> jax.Array:
+        return jnp.stack(self.layer_positions)
 
     @classmethod
-    def empty(cls, num_layers: int, batch: int, num_kv_heads: int, capacity: int, head_dim: int,
-              dtype) -> "KVCache":
-        kv_shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
-        return cls(keys=jnp.zeros(kv_shape, dtype), values=jnp.zeros(kv_shape, dtype),
-                   positions=jnp.full(kv_shape[:-1], -1, jnp.int32), cursor=jnp.zeros((), jnp.int32),
-                   next_position=jnp.zeros((batch,), jnp.int32))
+    def from_prompt(cls, keys: jax.Array, values: jax.Array, positions: jax.Array, next_position: jax.Array,
+                    max_new_tokens: int) -> "KVCache":
+        """Write every layer's (compressed) prompt slots into a cache with room for the new tokens.
+
+        keys/values [N, B, Hkv, P, D] and positions [N, B, Hkv, P] (as the prompt encoder's layer
+        loop stacks them), next_position [B]: each row's prompt length. Capacity P + max_new_tokens,
+        cursor P.
+        """
+        slots = ((0, 0),) * 2 + ((0, max_new_tokens),)
+        n = keys.shape[0]
+        return cls(layer_keys=tuple(jnp.pad(keys[i], slots + ((0, 0),)) for i in range(n)),
+                   layer_values=tuple(jnp.pad(values[i], slots + ((0, 0),)) for i in range(n)),
+                   layer_positions=tuple(jnp.pad(positions[i], slots, constant_values=-1) for i in range(n)),
+                   cursor=jnp.asarray(keys.shape[3], jnp.int32), next_position=next_position.astype(jnp.int32))
+
+    def layer(self, index: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Layer `index` (static): keys, values [B, Hkv, S, D] and the valid-slot mask [B, Hkv, S]."""
+        return self.layer_keys[index], self.layer_values[index], self.layer_positions[index] >= 0
+
+    def append(self, index: int, k: jax.Array, v: jax.Array, after: jax.Array) -> "KVCache":
+        """Write one token's k/v [B, Hkv, 1, D] of layer `index` (static) at the cursor, at each
+        row's next position. Call `advance` once every layer is written.
+
+        ``after``: a result computed from this layer's `layer` read (its attention output). The
+        write gets a zero-valued data dependency on it, so XLA orders the read first and updates
+        the buffers in place; unordered, it copies every layer's buffers on every decode step.
+        """
+        zero = 0 * after.reshape(-1)[0]  # 0 * x is not folded for floats
+        positions = jnp.broadcast_to(self.next_position[:, None, None], k.shape[:2] + (1,))
+
+        def put(layers, new):
+            start = (0, 0, self.cursor) + (0,) * (new.ndim - 3)  # [B, Hkv, S(, D)]
+            new = new.astype(layers[index].dtype) + zero.astype(layers[index].dtype)
+            updated = jax.lax.dynamic_update_slice(layers[index], new, start)
+            return layers[:index] + (updated,) + layers[index + 1:]
+
+        return self.replace(layer_keys=put(self.layer_keys, k), layer_values=put(self.layer_values, v),
+                            layer_positions=put(self.layer_positions, positions))
+
+    def advance(self) -> "KVCache":
+        """Move the cursor and every row's position on by one token."""
+        return self.replace(cursor=self.cursor + 1, next_position=self.next_position + 1)
+
+    @staticmethod
+    def concat_rows(caches: list["KVCache"]) -> "KVCache":
+        """Stack caches of equal capacity and cursor along the batch axis, so one decode serves them all."""
+        if len({c.capacity for c in caches}) != 1 or len({int(c.cursor) for c in caches}) != 1:
+            raise ValueError(f"caches need equal capacity and cursor to share a decode, got capacities "
+                             f"{[c.capacity for c in caches]} and cursors {[int(c.cursor) for c in caches]}")
+
+        def rows(field):
+            return tuple(jnp.concatenate(layer) for layer in zip(*(getattr(c, field) for c in caches)))
+
+        return KVCache(layer_keys=rows("layer_keys"), layer_values=rows("layer_values"),
+                       layer_positions=rows("layer_positions"), cursor=caches[0].cursor,
+                       next_position=jnp.concatenate([c.next_position for c in caches]))

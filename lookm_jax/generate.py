@@ -73,14 +73,22 @@ def prefill(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax.Array, 
     Static: cfg, method (its budgets), max_new_tokens, sampling. The bucket length is the static
     shape of input_ids. Returns (first token [B], cache, is_image [B, L_bucket]).
     """
-    text_cfg = llava.text_config(cfg)
     x, is_image = llava.embed(cfg, params, input_ids, pixel_values)
-    h_last, cache = llama.prefill(text_cfg, params["text"], x, valid, is_image, method,
-                                  kept_slots=method.capacity(input_ids.shape[1]),
-                                  max_new_tokens=max_new_tokens)
-    cache = constrain_cache(cache)  # rows over "data", KV heads over "model" when traced under a mesh
-    first = sample(llama.lm_logits(params["text"], h_last), jax.random.fold_in(key, 0), sampling)
+
+    def compress(q, k, v, stats):  # one layer, inside the layer loop: [B, Hkv, kept, D] slots
+        kept = method(q, k, v, is_image, valid, stats=stats)
+        return kept.keys.astype(k.dtype), kept.values.astype(v.dtype), kept.positions
+
+    h, kept = llama.encode(llava.text_config(cfg), params["text"], x, valid, method.statistics, compress)
+    lengths = valid.sum(axis=1).astype(jnp.int32)  # [B]
+    cache = constrain_cache(KVCache.from_prompt(*kept, lengths, max_new_tokens))  # placed as on the mesh, if any
+    first = sample(llama.lm_logits(params["text"], last_valid(h, lengths)), jax.random.fold_in(key, 0), sampling)
     return first, cache, is_image
+
+
+def last_valid(h: jax.Array, lengths: jax.Array) -> jax.Array:
+    """h [B, L, H] of right-padded rows, lengths [B] -> each row's last real position [B, H]."""
+    return jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "sampling", "eos_ids"),
@@ -179,24 +187,18 @@ def prefill_states(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax.
     (names from `lookm_jax.scoring.STATISTICS`, accumulated by the prefill attention as in `prefill`),
     window (W, the last queries kept per row; `query_window` says what a method needs), sampling.
     """
-    text_cfg = llava.text_config(cfg)
-    text_params = params["text"]
     x, is_image = llava.embed(cfg, params, input_ids, pixel_values)
-    b, length, _ = x.shape
-    cos, sin = llama.rope_tables(text_cfg, jnp.broadcast_to(jnp.arange(length), (b, length)), x.dtype)
+    length = x.shape[1]
     w = min(window, length)
     window_positions = jnp.maximum(jax.lax.top_k(jnp.where(valid, jnp.arange(length), -1), w)[0], 0)  # [B, W]
 
-    def layer(h, lp):
-        q, k, v = llama.project_qkv(text_cfg, lp, h, cos, sin)
-        attn, stats = llama.causal_attention(q, k, v, valid, statistics=statistics)
+    def keep(q, k, v, stats):
         q_window = jnp.take_along_axis(q, window_positions[:, None, :, None], axis=2)  # [B, Hq, W, D]
-        return llama.finish_layer(text_cfg, lp, h, attn), (k, v, stats, q_window)
+        return k, v, stats, q_window
 
-    h, (keys, values, stats, window_queries) = jax.lax.scan(layer, x, text_params["layers"])
-    lengths = valid.sum(axis=1).astype(jnp.int32)
-    last = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-    logits = llama.lm_logits(text_params, llama.final_hidden(text_cfg, text_params, last))
+    h, (keys, values, stats, window_queries) = llama.encode(llava.text_config(cfg), params["text"], x, valid,
+                                                            statistics, keep)
+    logits = llama.lm_logits(params["text"], last_valid(h, valid.sum(axis=1)))
     first = sample(logits, jax.random.fold_in(key, 0), sampling)
     return Prefilled(first=first, keys=keys, values=values, stats=stats, window_queries=window_queries,
                      window_positions=window_positions, valid=valid, is_image=is_image)
@@ -210,7 +212,7 @@ def compress_prefilled(prefilled: Prefilled, *, method, max_new_tokens: int) -> 
     queries that are exact at the kept window positions and zero elsewhere (`query_window` checks
     that the window covers what it reads). Capacity method.capacity(L) + max_new_tokens.
     """
-    n_layers, b, _, length, head_dim = prefilled.keys.shape
+    _, b, _, length, head_dim = prefilled.keys.shape
     if query_window(method, length) > prefilled.window_queries.shape[3]:
         raise ValueError(f"{method} reads the last {query_window(method, length)} queries; the prefill kept "
                          f"{prefilled.window_queries.shape[3]} (raise prefill_states' window)")
@@ -218,7 +220,6 @@ def compress_prefilled(prefilled: Prefilled, *, method, max_new_tokens: int) -> 
     if missing:
         raise ValueError(f"{type(method).__name__} needs attention statistics {sorted(missing)}; the prefill "
                          f"accumulated {sorted(prefilled.stats)}")
-    kept_slots = method.capacity(length)
     num_heads = prefilled.window_queries.shape[2]
     rows = jnp.arange(b)[:, None]  # [B, 1]
 
@@ -231,20 +232,8 @@ def compress_prefilled(prefilled: Prefilled, *, method, max_new_tokens: int) -> 
         return None, (kept.keys.astype(k.dtype), kept.values.astype(v.dtype), kept.positions)
 
     layer_inputs = (prefilled.keys, prefilled.values, prefilled.stats, prefilled.window_queries)
-    _, (keys, values, positions) = jax.lax.scan(layer, None, layer_inputs)
-    new_slots = ((0, 0),) * 3 + ((0, max_new_tokens),)
-    return KVCache(keys=jnp.pad(keys, new_slots + ((0, 0),)), values=jnp.pad(values, new_slots + ((0, 0),)),
-                   positions=jnp.pad(positions, new_slots, constant_values=-1),
-                   cursor=jnp.asarray(kept_slots, jnp.int32),
-                   next_position=prefilled.valid.sum(axis=1).astype(jnp.int32))
+    _, kept = jax.lax.scan(layer, None, layer_inputs)
+    return KVCache.from_prompt(*kept, prefilled.valid.sum(axis=1), max_new_tokens)
 
 
-def concat_caches(caches: list[KVCache]) -> KVCache:
-    """Stack caches of equal capacity and cursor along the batch axis, so one decode serves them all."""
-    if len({c.capacity for c in caches}) != 1 or len({int(c.cursor) for c in caches}) != 1:
-        raise ValueError(f"caches need equal capacity and cursor to share a decode, got capacities "
-                         f"{[c.capacity for c in caches]} and cursors {[int(c.cursor) for c in caches]}")
-    stacked = {name: jnp.concatenate([getattr(c, name) for c in caches], axis=1)
-               for name in ("keys", "values", "positions")}
-    return KVCache(**stacked, cursor=caches[0].cursor,
-                   next_position=jnp.concatenate([c.next_position for c in caches]))
+concat_caches = KVCache.concat_rows  # [caches of equal capacity and cursor] -> one cache, rows stacked

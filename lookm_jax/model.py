@@ -74,7 +74,7 @@ class Model:
     and decode: `lookm_jax.generate`; many methods from one prefill: `lookm_jax.sweep`."""
 
     config: LlavaConfig | LlamaConfig
-    params: dict  # jax arrays, see models/llama.py, clip.py, llava.py for the layout
+    params: dict  # jax arrays; the layout: models/llama.py (runtime layout), clip.py, llava.py
     manifest: dict[str, Any]  # hf_config, chat_template, image_processor, notes (what `save` writes)
     tokenizer: Any = None  # tokenizers.Tokenizer
     buckets: tuple[int, ...] = gen.DEFAULT_BUCKETS
@@ -228,4 +228,6 @@ class Model:
         from lookm_jax.convert.store import save_converted
 
         tokenizer_json = self.tokenizer.to_str() if self.tokenizer is not None else None
-        save_converted(path, jax.tree.map(np.asarray, self.params), self.manifest, tokenizer_json)
+        params = {**jax.tree.map(np.asarray, {k: v for k, v in self.params.items() if k != "text"}),
+                  "text": llama.stored_params(self.params["text"])}  # the stored layout
+        save_converted(path, params, self.manifest, tokenizer_json)

@@ -9,7 +9,7 @@ column/row pattern; norms, biases of row-parallel layers and anything not listed
 architectures' vision parts) are replicated. A decoder layer then costs two all-reduces of the
 hidden states, as in Megatron-LM.
 
-The KV cache is [layers, B over "data", Hkv over "model", S, D], so each device holds, scores,
+Each layer's KV cache is [B over "data", Hkv over "model", S, D], so each device holds, scores,
 compresses and attends to its own rows' own KV heads: compression is per (row, head) and never
 gathers the cache (tests/mesh_check.py checks the compiled HLO). Hkv must divide over "model".
 """
@@ -23,16 +23,17 @@ from lookm_jax.cache import KVCache
 
 DATA, MODEL = "data", "model"
 
-# (subtree, leaf) -> the mesh axis of each dimension; layer-stacked leaves lead with the layer axis.
+# (subtree, leaf) -> the mesh axis of each dimension. The decoder's layers are separate arrays with
+# weights [out, in] (models/llama.py); the vision towers' leaves are stacked [N, in, out].
 _COLUMN = P(None, None, MODEL)  # [N, in, out]: output features split
 _ROW = P(None, MODEL, None)  # [N, in, out]: input features split
 _LAYER_VECTOR = P(None, MODEL)  # [N, out] bias of a column-parallel layer
 PARAM_RULES: dict[tuple[str, str], P] = {
     ("text", "embed"): P(MODEL, None),  # [V, H]: a masked local lookup + all-reduce; tied logits split over V
-    ("text", "lm_head"): P(None, MODEL),  # [H, V]
-    **{("text", k): _COLUMN for k in ("wq", "wk", "wv", "w_gate", "w_up")},
-    **{("text", k): _ROW for k in ("wo", "w_down")},
-    **{("text", k): _LAYER_VECTOR for k in ("bq", "bk", "bv")},  # Qwen2's q/k/v biases
+    ("text", "lm_head"): P(MODEL, None),  # [V, H]
+    **{("text", k): P(MODEL, None) for k in ("wq", "wk", "wv", "w_gate", "w_up")},  # [out, in]
+    **{("text", k): P(None, MODEL) for k in ("wo", "w_down")},  # [out, in]
+    **{("text", k): P(MODEL) for k in ("bq", "bk", "bv")},  # Qwen2's q/k/v biases
     **{("vision", k): _COLUMN for k in ("wq", "wk", "wv", "fc1_w")},
     **{("vision", k): _LAYER_VECTOR for k in ("bq", "bk", "bv", "fc1_b")},
     **{("vision", k): _ROW for k in ("wo", "fc2_w")},
@@ -41,8 +42,8 @@ PARAM_RULES: dict[tuple[str, str], P] = {
     ("projector", "w2"): P(MODEL, None),
 }
 
-CACHE_SPECS = KVCache(keys=P(None, DATA, MODEL, None, None), values=P(None, DATA, MODEL, None, None),
-                      positions=P(None, DATA, MODEL, None), cursor=P(), next_position=P(DATA))
+KV_SPEC = P(DATA, MODEL, None, None)  # each layer's cache keys / values [B, Hkv, S, D]
+POSITIONS_SPEC = P(DATA, MODEL, None)  # each layer's cache positions [B, Hkv, S]
 ROWS = P(DATA)  # [B, ...] inputs: ids, valid, first tokens
 
 
@@ -107,10 +108,17 @@ def place_rows(mesh: Mesh, *arrays) -> list[jax.Array]:
     return [jax.device_put(a, NamedSharding(mesh, ROWS)) for a in arrays]
 
 
+def cache_specs(cache: KVCache) -> KVCache:
+    """The PartitionSpec of every cache leaf: rows over "data", KV heads over "model"."""
+    n = cache.num_layers
+    return KVCache(layer_keys=(KV_SPEC,) * n, layer_values=(KV_SPEC,) * n, layer_positions=(POSITIONS_SPEC,) * n,
+                   cursor=P(), next_position=P(DATA))
+
+
 def constrain_cache(cache: KVCache) -> KVCache:
-    """Pin the cache to [.., B over "data", Hkv over "model", ..] when traced under `jax.set_mesh`
-    with a (data, model) mesh; unchanged otherwise (one device: no-op, identical numerics)."""
+    """Pin the cache to [B over "data", Hkv over "model", ..] per layer when traced under
+    `jax.set_mesh` with a (data, model) mesh; unchanged otherwise (one device: no-op, identical numerics)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or set(mesh.axis_names) != {DATA, MODEL}:
         return cache
-    return jax.tree.map(jax.lax.with_sharding_constraint, cache, CACHE_SPECS)
+    return jax.tree.map(jax.lax.with_sharding_constraint, cache, cache_specs(cache))

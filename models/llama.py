@@ -1,18 +1,23 @@
 """Llama-family decoder (Llama 2/3, Vicuna, SmolLM2, Qwen2) as pure functions of a params pytree.
 
-Params (layers stacked on a leading axis N so the decoder is one `lax.scan`; weights [in, out]):
-    embed [V, H]; final_norm [H]; lm_head [H, V] (absent when tied to embed)
-    layers: attn_norm [N, H], wq [N, H, Hq*D], wk/wv [N, H, Hkv*D], wo [N, Hq*D, H],
-            mlp_norm [N, H], w_gate/w_up [N, H, I], w_down [N, I, H]
-            (+ bq [N, Hq*D], bk/bv [N, Hkv*D] when cfg.qkv_bias: Qwen2)
+Params are stored (convert/tables.py, converted folders) with layers stacked on a leading axis N
+and weights [in, out]. `runtime_params` turns them once, at load time, into the layout the
+compiled programs read, and `stored_params` back (Model.save):
+    embed [V, H]; final_norm [H]; lm_head [V, H] (absent when tied to embed)
+    layers: a tuple of N dicts: attn_norm [H], wq [Hq*D, H], wk/wv [Hkv*D, H], wo [H, Hq*D],
+            mlp_norm [H], w_gate/w_up [I, H], w_down [H, I] (+ bq [Hq*D], bk/bv [Hkv*D] when
+            cfg.qkv_bias: Qwen2)
+Weights are [out, in], so a batch-1 decode dot contracts each weight's minor axis (on XLA:CPU it
+streams about twice as fast as [in, out]), and one array per layer lets the decode loop, a
+Python loop over layers inside `lax.while_loop`, read every weight in place: slicing a layer out
+of a stacked array inside the loop copies it on every step.
 
-Three entry points share the layer body: `forward` (whole sequence, no cache: logits API),
-`prefill` (whole padded prompt, writes a possibly compressed cache) and `decode_step` (one token).
+`encode` runs the layer loop over a whole padded prompt (the logits path, the compressing
+prefill, the shared prefill and the attention analysis call it with their own per-layer hook);
+`decode_step` appends one token.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -20,17 +25,18 @@ import numpy as np
 
 from lookm_jax.cache import KVCache
 from lookm_jax.models.config import LlamaConfig, RopeConfig
-from lookm_jax.models.layers import linear, rms_norm
+from lookm_jax.models.layers import rms_norm
 from lookm_jax.scoring import column_stats_of_block
-
-if TYPE_CHECKING:
-    from lookm_jax.methods import Method
 
 # Query block of the prefill attention: scores are [B, Hq, block, <=L], never [B, Hq, L, L].
 ATTENTION_BLOCK = 256
+# The query blocks are split into this many groups, each attending to its own static key prefix
+# (its last query's causal span): the compiled program does not grow with L, and the masked
+# upper triangle costs (KEY_PREFIXES + 1) / KEY_PREFIXES of the causal work instead of twice it.
+KEY_PREFIXES = 4
 _MASKED = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
-
-
+# Stored -> runtime layer weights: [in, out] matrices become [out, in]; vectors stay.
+_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     """[D/2] float32 inverse frequencies, with Llama-3 scaling when configured (HF's formula)."""
     inv_freq = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
@@ -68,13 +74,16 @@ def attention_probs(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
     -> [B, Hkv, G, Lq, Lk] fp32, G = Hq // Hkv. A group's query heads are stacked along the query
     axis, so each KV head is one plain matmul and no K repeat is materialised.
     """
+    return jax.nn.softmax(_masked_scores(q, k, mask), axis=-1)
+
+
+def _masked_scores(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
+    """Scaled fp32 logits [B, Hkv, G, Lq, Lk] (see ``attention_probs``), masked entries _MASKED."""
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
-    g = hq // hkv
-    qg = q.reshape(b, hkv, g * lq, d)
+    qg = q.reshape(b, hkv, hq // hkv * lq, d)
     scores = jnp.einsum("bhqd,bhkd->bhqk", qg, k, preferred_element_type=jnp.float32) * d**-0.5
-    scores = jnp.where(mask, scores.reshape(b, hkv, g, lq, lk), _MASKED)
-    return jax.nn.softmax(scores, axis=-1)
+    return jnp.where(mask, scores.reshape(b, hkv, hq // hkv, lq, lk), _MASKED)
 
 
 def _mix_values(probs: jax.Array, v: jax.Array) -> jax.Array:
@@ -89,42 +98,76 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     return _mix_values(attention_probs(q, k, mask), v)
 
 
+def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array, k: jax.Array,
+                v: jax.Array) -> jax.Array:
+    """One decode step: q [B, Hq, 1, D] attends, in one softmax, to the cache (k/v_cache
+    [B, Hkv, S, D], valid slots mask [B, Hkv, S]) and to its own token (k/v [B, Hkv, 1, D]).
+
+    Returns [B, Hq, 1, D]. The cache is read before the token is written into it
+    (``KVCache.append(..., after=)``): reading the updated buffer would make XLA copy the cache.
+    """
+    cached = _masked_scores(q, k_cache, mask[:, :, None, None, :])  # [B, Hkv, G, 1, S]
+    own = _masked_scores(q, k, True)  # [B, Hkv, G, 1, 1]
+    probs = jax.nn.softmax(jnp.concatenate([cached, own], axis=-1), axis=-1)
+    return _mix_values(probs[..., :-1], v_cache) + _mix_values(probs[..., -1:], v)
+
+
+def _query_groups(n_blocks: int) -> list[tuple[int, int]]:
+    """[start, stop) query-block ranges of the ``KEY_PREFIXES`` groups (fewer for short prompts)."""
+    groups = min(KEY_PREFIXES, n_blocks)
+    bounds = [round(i * n_blocks / groups) for i in range(groups + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
                      block: int = ATTENTION_BLOCK,
                      statistics: tuple[str, ...] = ()) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Causal self-attention over a padded prompt, one query block at a time.
+    """Causal self-attention over a padded prompt, one query block per step of a compiled loop.
 
-    q [B, Hq, L, D], k/v [B, Hkv, L, D], valid [B, L] (padding keys are never attended).
-    Query block i only reads keys [0, end of block i): the blocks are unrolled at trace time (L is
-    static), so the masked upper triangle is never computed. Each block's q/k/v slices carry a
-    zero-valued data dependency on the previous block's results (0 * x is not folded for floats),
-    so XLA runs the blocks one after another: scheduled breadth-first, every block's [block, end]
-    probabilities and key/value prefixes would be live at once (O(L^2)); in order, memory is
-    O(L x block).
+    q [B, Hq, L, D], k/v [B, Hkv, L, D], valid [B, L] (padding keys are never attended). The query
+    blocks (the last one padded) are split into ``KEY_PREFIXES`` groups; a `lax.scan` over each
+    group's blocks attends to the group's static key prefix with an exact softmax per block. The
+    program's size does not depend on L, and memory is O(L x block): one block's
+    [B, Hq, block, <= L] probabilities at a time.
 
     ``statistics`` (static; names from ``lookm_jax.scoring.STATISTICS``) are accumulated from the
     same softmax rows over the valid queries, which is all that eq. 4 scoring needs: a method that
     declares them costs no second attention pass. Returns (out [B, Hq, L, D],
     {name: [B, Hkv, G, L] fp32}), the dict empty when no statistics are asked for.
     """
-    b, hq, length, _ = q.shape
+    b, hq, length, d = q.shape
     hkv = k.shape[1]
+    block = min(block, length)
+    n_blocks = -(-length // block)
+    pad = n_blocks * block - length
+    q_blocks = jnp.pad(q, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(b, hq, n_blocks, block, d)
+    q_blocks = q_blocks.transpose(2, 0, 1, 3, 4)  # [n_blocks, B, Hq, block, D]
+    q_ok = jnp.pad(valid, ((0, 0), (0, pad))).reshape(b, n_blocks, block).transpose(1, 0, 2)  # [n_blocks, B, block]
     stats = {name: jnp.zeros((b, hkv, hq // hkv, length), jnp.float32) for name in statistics}
     outs = []
-    previous = jnp.zeros((), jnp.float32)  # one scalar of the previous block's results
-    for start in range(0, length, block):
-        end = min(start + block, length)
-        causal = jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :]  # [Lq, end]
-        mask = causal & valid[:, None, None, None, :end]
-        zero = (0 * previous).astype(q.dtype)  # orders this block's slices after the previous block
-        k_blk, v_blk = k[:, :, :end] + zero, v[:, :, :end] + zero  # [B, Hkv, end, D]
-        probs = attention_probs(q[:, :, start:end] + zero, k_blk, mask)  # [B, Hkv, G, Lq, end]
-        outs.append(_mix_values(probs, v_blk))
-        previous = outs[-1][0, 0, 0, 0].astype(jnp.float32)
-        for name, col in column_stats_of_block(probs, valid[:, start:end], statistics).items():
-            stats[name] = stats[name].at[..., :end].add(col)
-            previous = previous + col[0, 0, 0, 0]
-    return jnp.concatenate(outs, axis=2), stats
+    for first, stop in _query_groups(n_blocks):
+        end = min(stop * block, length)  # the group's key prefix: its last query's causal span
+        k_pre, v_pre = k[:, :, :end], v[:, :, :end]  # [B, Hkv, end, D]
+        key_ok = valid[:, None, None, None, :end]
+
+        def step(stats, inputs, end=end, k_pre=k_pre, v_pre=v_pre, key_ok=key_ok):
+            index, q_blk, ok = inputs  # q_blk [B, Hq, block, D], ok [B, block]
+            causal = index * block + jnp.arange(block)[:, None] >= jnp.arange(end)[None, :]  # [block, end]
+            probs = attention_probs(q_blk, k_pre, causal & key_ok)  # [B, Hkv, G, block, end]
+            for name, col in column_stats_of_block(probs, ok, statistics).items():
+                stats[name] = stats[name].at[..., :end].add(col)
+            return stats, _mix_values(probs, v_pre)
+
+        stats, out = jax.lax.scan(step, stats, (jnp.arange(first, stop), q_blocks[first:stop], q_ok[first:stop]))
+        outs.append(out)  # [stop - first, B, Hq, block, D]
+    out = jnp.concatenate(outs).transpose(1, 2, 0, 3, 4).reshape(b, hq, n_blocks * block, d)
+    return out[:, :, :length], stats
+
+
+def dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """x [..., In] @ w[Out, In].T (+ b [Out])."""
+    y = jnp.einsum("...i,oi->...o", x, w)
+    return y if b is None else y + b
 
 
 def project_qkv(cfg: LlamaConfig, lp: dict, h: jax.Array, cos: jax.Array, sin: jax.Array):
@@ -134,7 +177,7 @@ def project_qkv(cfg: LlamaConfig, lp: dict, h: jax.Array, cos: jax.Array, sin: j
 
     def heads(name, n):  # biases "bq"/"bk"/"bv" only when cfg.qkv_bias (Qwen2)
         bias = lp["b" + name[1]] if cfg.qkv_bias else None
-        return linear(x, lp[name], bias).reshape(b, length, n, cfg.head_dim).transpose(0, 2, 1, 3)
+        return dense(x, lp[name], bias).reshape(b, length, n, cfg.head_dim).transpose(0, 2, 1, 3)
 
     q = apply_rope(heads("wq", cfg.num_heads), cos, sin)
     k = apply_rope(heads("wk", cfg.num_kv_heads), cos, sin)
@@ -144,9 +187,9 @@ def project_qkv(cfg: LlamaConfig, lp: dict, h: jax.Array, cos: jax.Array, sin: j
 def finish_layer(cfg: LlamaConfig, lp: dict, h: jax.Array, attn: jax.Array) -> jax.Array:
     """Residual output projection, then the SwiGLU MLP block. attn [B, Hq, L, D] -> h [B, L, H]."""
     b, _, length, _ = attn.shape
-    h = h + linear(attn.transpose(0, 2, 1, 3).reshape(b, length, -1), lp["wo"])
+    h = h + dense(attn.transpose(0, 2, 1, 3).reshape(b, length, -1), lp["wo"])
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-    return h + linear(jax.nn.silu(linear(x, lp["w_gate"])) * linear(x, lp["w_up"]), lp["w_down"])
+    return h + dense(jax.nn.silu(dense(x, lp["w_gate"])) * dense(x, lp["w_up"]), lp["w_down"])
 
 
 def final_hidden(cfg: LlamaConfig, params: dict, h: jax.Array) -> jax.Array:
@@ -154,11 +197,9 @@ def final_hidden(cfg: LlamaConfig, params: dict, h: jax.Array) -> jax.Array:
 
 
 def lm_logits(params: dict, h: jax.Array) -> jax.Array:
-    """Final-normed hidden [..., H] -> fp32 logits [..., V] (tied or untied head)."""
-    if "lm_head" in params:
-        return jnp.einsum("...h,hv->...v", h, params["lm_head"], preferred_element_type=jnp.float32)
-    # Tied: contract against embed [V, H] directly; `embed.T` would be materialised every decode step.
-    return jnp.einsum("...h,vh->...v", h, params["embed"], preferred_element_type=jnp.float32)
+    """Final-normed hidden [..., H] -> fp32 logits [..., V]; the head [V, H] is lm_head or, tied, embed."""
+    head = params.get("lm_head", params["embed"])
+    return jnp.einsum("...h,vh->...v", h, head, preferred_element_type=jnp.float32)
 
 
 def embed_tokens(params: dict, ids: jax.Array) -> jax.Array:
@@ -167,79 +208,74 @@ def embed_tokens(params: dict, ids: jax.Array) -> jax.Array:
     return params["embed"][jnp.where(ids < vocab, ids, 0)]
 
 
-def forward(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array) -> jax.Array:
-    """Whole-sequence pass without cache. x [B, L, H] embeddings, valid [B, L] -> normed h [B, L, H]."""
+def encode(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array, statistics: tuple[str, ...] = (),
+           on_layer=None):
+    """Run the decoder over a right-padded prompt, handing every layer's attention to a hook.
+
+    x [B, L, H] embeddings, valid [B, L]. In every layer, ``on_layer(q, k, v, stats)`` gets the
+    RoPE'd q [B, Hq, L, D], k/v [B, Hkv, L, D] and the attention statistics asked for
+    (``statistics``, static: {name: [B, Hkv, G, L] fp32}, see ``causal_attention``) and returns
+    what the caller keeps of the layer (any pytree; None keeps nothing). The layers run as one
+    `lax.scan`, so only one layer's q/k/v is alive at a time. Returns (final-normed h [B, L, H],
+    the hook's outputs stacked on a leading layer axis N).
+    """
     positions = jnp.broadcast_to(jnp.arange(x.shape[1]), valid.shape)
     cos, sin = rope_tables(cfg, positions, x.dtype)
+    layers = params["layers"]
+    branches = [lambda lp=lp: lp for lp in layers]
 
-    def layer(h, lp):
+    def layer(h, index):
+        lp = jax.lax.switch(index, branches)  # one layer's weights (the layers are separate arrays)
         q, k, v = project_qkv(cfg, lp, h, cos, sin)
-        return finish_layer(cfg, lp, h, causal_attention(q, k, v, valid)[0]), None
+        attn, stats = causal_attention(q, k, v, valid, statistics=statistics)
+        kept = None if on_layer is None else on_layer(q, k, v, stats)
+        return finish_layer(cfg, lp, h, attn), kept
 
-    h, _ = jax.lax.scan(layer, x, params["layers"])
-    return final_hidden(cfg, params, h)
+    h, kept = jax.lax.scan(layer, x, jnp.arange(len(layers)))
+    return final_hidden(cfg, params, h), kept
 
 
-def prefill(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array, is_image: jax.Array,
-            method: "Method", kept_slots: int, max_new_tokens: int) -> tuple[jax.Array, KVCache]:
-    """Encode a right-padded prompt and build the decode cache, compressing each layer once.
-
-    x [B, L, H] embeddings, valid/is_image [B, L]. `method(q, k, v, is_image, valid, stats=...)`
-    returns the layer's kept slots (keys/values [B, Hkv, kept_slots, D], positions
-    [B, Hkv, kept_slots]); it runs inside the layer scan, so only one layer's uncompressed K/V
-    exists at a time, and receives the attention statistics it declares (`method.statistics`),
-    accumulated by the layer's own attention. The cache has static capacity
-    kept_slots + max_new_tokens. Returns (normed last-token hidden [B, H], cache).
-    """
-    b, length, _ = x.shape
-    positions = jnp.broadcast_to(jnp.arange(length), (b, length))
-    cos, sin = rope_tables(cfg, positions, x.dtype)
-    cache = KVCache.empty(cfg.num_layers, b, cfg.num_kv_heads, kept_slots + max_new_tokens,
-                          cfg.head_dim, x.dtype)
-
-    def layer(carry, inputs):
-        h, cache = carry
-        index, lp = inputs
-        q, k, v = project_qkv(cfg, lp, h, cos, sin)
-        attn, stats = causal_attention(q, k, v, valid, statistics=method.statistics)
-        kept = method(q, k, v, is_image, valid, stats=stats)
-        cache = cache.replace(
-            keys=jax.lax.dynamic_update_slice(cache.keys, kept.keys[None].astype(x.dtype), (index, 0, 0, 0, 0)),
-            values=jax.lax.dynamic_update_slice(cache.values, kept.values[None].astype(x.dtype), (index, 0, 0, 0, 0)),
-            positions=jax.lax.dynamic_update_slice(cache.positions, kept.positions[None], (index, 0, 0, 0)))
-        return (finish_layer(cfg, lp, h, attn), cache), None
-
-    layer_ids = jnp.arange(cfg.num_layers)
-    (h, cache), _ = jax.lax.scan(layer, (x, cache), (layer_ids, params["layers"]))
-    lengths = valid.sum(axis=1).astype(jnp.int32)  # [B]
-    last = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-    cache = cache.replace(cursor=jnp.asarray(kept_slots, jnp.int32), next_position=lengths)
-    return final_hidden(cfg, params, last), cache
+def forward(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array) -> jax.Array:
+    """Whole-sequence pass without cache. x [B, L, H] embeddings, valid [B, L] -> normed h [B, L, H]."""
+    return encode(cfg, params, x, valid)[0]
 
 
 def decode_step(cfg: LlamaConfig, params: dict, x: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-    """Append one token per row. x [B, H] embeddings -> (normed hidden [B, H], cache advanced by one)."""
-    b = x.shape[0]
+    """Append one token per row. x [B, H] embeddings -> (normed hidden [B, H], cache advanced by one).
+
+    A Python loop over the layers: each reads its own weight and cache arrays, nothing is sliced.
+    """
     cos, sin = rope_tables(cfg, cache.next_position[:, None], x.dtype)
-    slot = cache.cursor
-    new_positions = jnp.broadcast_to(cache.next_position[:, None], (b, cfg.num_kv_heads))
-
-    def layer(carry, inputs):
-        h, cache = carry
-        index, lp = inputs
+    h = x[:, None]  # [B, 1, H]
+    for index, lp in enumerate(params["layers"]):
         q, k, v = project_qkv(cfg, lp, h, cos, sin)  # q [B, Hq, 1, D], k/v [B, Hkv, 1, D]
-        cache = cache.replace(
-            keys=jax.lax.dynamic_update_slice(cache.keys, k[None], (index, 0, 0, slot, 0)),
-            values=jax.lax.dynamic_update_slice(cache.values, v[None], (index, 0, 0, slot, 0)),
-            positions=jax.lax.dynamic_update_slice(cache.positions, new_positions[None, ..., None],
-                                                   (index, 0, 0, slot)))
-        layer_k = jax.lax.dynamic_index_in_dim(cache.keys, index, keepdims=False)
-        layer_v = jax.lax.dynamic_index_in_dim(cache.values, index, keepdims=False)
-        layer_mask = jax.lax.dynamic_index_in_dim(cache.positions, index, keepdims=False) >= 0
-        attn = attend(q, layer_k, layer_v, layer_mask[:, :, None, None, :])
-        return (finish_layer(cfg, lp, h, attn), cache), None
+        attn = attend_step(q, *cache.layer(index), k, v)
+        cache = cache.append(index, k, v, after=attn)
+        h = finish_layer(cfg, lp, h, attn)
+    return final_hidden(cfg, params, h[:, 0]), cache.advance()
 
-    layer_ids = jnp.arange(cfg.num_layers)
-    (h, cache), _ = jax.lax.scan(layer, (x[:, None], cache), (layer_ids, params["layers"]))
-    cache = cache.replace(cursor=slot + 1, next_position=cache.next_position + 1)
-    return final_hidden(cfg, params, h[:, 0]), cache
+
+def runtime_params(stored: dict) -> dict:
+    """Stored text params (layers stacked, weights [in, out]) -> the runtime layout (module doc).
+
+    Done once at load time (lookm_jax.loading), on whatever device holds the arrays.
+    """
+    params = {k: v for k, v in stored.items() if k != "layers"}
+    if "lm_head" in params:
+        params["lm_head"] = params["lm_head"].T
+    stacked = stored["layers"]
+    num_layers = len(next(iter(stacked.values())))
+    params["layers"] = tuple({name: w[i].T if name in _MATRICES else w[i] for name, w in stacked.items()}
+                             for i in range(num_layers))
+    return params
+
+
+def stored_params(params: dict) -> dict:
+    """The inverse of ``runtime_params``, as numpy arrays on the host (what Model.save writes)."""
+    stored = {k: np.asarray(v) for k, v in params.items() if k != "layers"}
+    if "lm_head" in stored:
+        stored["lm_head"] = stored["lm_head"].T
+    layers = params["layers"]
+    stored["layers"] = {name: np.stack([np.asarray(lp[name]).T if name in _MATRICES else np.asarray(lp[name])
+                                        for lp in layers]) for name in layers[0]}
+    return stored
