@@ -75,16 +75,18 @@ class KVCache:
         """Write one token's k/v [B, Hkv, 1, D] of layer `index` (static) at the cursor, at each
         row's next position. Call `advance` once every layer is written.
 
-        ``after``: a result computed from this layer's `layer` read (its attention output). The
-        write gets a zero-valued data dependency on it, so XLA orders the read first and updates
-        the buffers in place; unordered, it copies every layer's buffers on every decode step.
+        ``after`` [B, Hkv, 1, D]: a result computed from this layer's `layer` read (its attention
+        output). The write gets an elementwise zero-valued data dependency on it, so XLA orders the
+        read first and updates the buffers in place (unordered, it copies every layer's buffers on
+        every decode step); elementwise, so on a mesh no device needs another's heads.
         """
-        zero = 0 * after.reshape(-1)[0]  # 0 * x is not folded for floats
+        zero = 0 * after  # 0 * x is not folded for floats
         positions = jnp.broadcast_to(self.next_position[:, None, None], k.shape[:2] + (1,))
 
         def put(layers, new):
             start = (0, 0, self.cursor) + (0,) * (new.ndim - 3)  # [B, Hkv, S(, D)]
-            new = new.astype(layers[index].dtype) + zero.astype(layers[index].dtype)
+            dep = zero if new.ndim == 4 else zero[..., 0]
+            new = new.astype(layers[index].dtype) + dep.astype(layers[index].dtype)
             updated = jax.lax.dynamic_update_slice(layers[index], new, start)
             return layers[:index] + (updated,) + layers[index + 1:]
 

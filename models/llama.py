@@ -250,7 +250,7 @@ def decode_step(cfg: LlamaConfig, params: dict, x: jax.Array, cache: KVCache) ->
     for index, lp in enumerate(params["layers"]):
         q, k, v = project_qkv(cfg, lp, h, cos, sin)  # q [B, Hq, 1, D], k/v [B, Hkv, 1, D]
         attn = attend_step(q, *cache.layer(index), k, v)
-        cache = cache.append(index, k, v, after=attn)
+        cache = cache.append(index, k, v, after=attn.reshape(k.shape[:2] + (-1,) + k.shape[2:])[:, :, 0])
         h = finish_layer(cfg, lp, h, attn)
     return final_hidden(cfg, params, h[:, 0]), cache.advance()
 

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from method_variants import DEFAULTS, build
 from lookm_jax import Model, generate as gen, get_method, sharding
 from lookm_jax.convert.tables import clip_shapes, llama_shapes, projector_shapes
+from lookm_jax.models import llama
 from lookm_jax.models.config import CLIPVisionConfig, LlamaConfig, LlavaConfig, RopeConfig
 
 D, BUCKET, NEW = 8, 64, 4
@@ -67,7 +68,7 @@ def tiny_model() -> Model:
                               patch_size=6)  # 25 patches
     cfg = LlavaConfig(text=text, vision=vision, image_token_id=IMAGE)
     rng = np.random.default_rng(0)
-    params = {"text": _random_params(llama_shapes(text), rng), "vision": _random_params(clip_shapes(vision), rng),
+    params = {"text": llama.runtime_params(_random_params(llama_shapes(text), rng)), "vision": _random_params(clip_shapes(vision), rng),
               "projector": _random_params(projector_shapes(cfg), rng)}
     return Model(config=cfg, params=params, manifest={})
 
@@ -157,10 +158,11 @@ def test_mesh_generation_equals_single_device_without_gathering_kv(sharded, sing
         np.testing.assert_allclose(getattr(cache, field), getattr(ref_cache, field), atol=1e-5, rtol=0,
                                    err_msg=f"{mesh_name} {name}: cache {field}")
     assert result.cache_bytes == ref.cache_bytes
-    assert cache.keys.sharding.is_equivalent_to(NamedSharding(sharded_model.mesh, sharding.CACHE_SPECS.keys), 5)
+    kv_split = NamedSharding(sharded_model.mesh, sharding.KV_SPEC)
+    assert all(k.sharding.is_equivalent_to(kv_split, 4) for k in cache.layer_keys + cache.layer_values)
     data, model_axis = MESHES[mesh_name]
-    chex.assert_shape(cache.keys.addressable_shards[0].data,
-                      (2, 4 // data, 4 // model_axis, RUN_METHODS[name].capacity(BUCKET) + NEW, D))
+    chex.assert_shape([k.addressable_shards[0].data for k in cache.layer_keys],
+                      [(4 // data, 4 // model_axis, RUN_METHODS[name].capacity(BUCKET) + NEW, D)] * 2)
     for program_name, program in (("prefill", prefill), ("decode", decode)):
         moved = per_head_collectives(program.as_text())
         assert not moved, f"{mesh_name} {name} {program_name}: collectives move per-head arrays: {moved}"
