@@ -1,7 +1,7 @@
 """LOOK-M on the SmolLM2 demo model, CPU: decode speed vs cache size, prefill cost, prefill memory.
 
     python bench/compress_cpu.py [--length 4096] [--new-tokens 64] [--repeats 3]
-                                 [--rss-lengths 4096 8192 16384]
+                                 [--rss-lengths 4096 8192 16384] [--json PATH]
 
 Prints one table of figures and ratios (steady-state times are the best of --repeats runs,
 interleaved across configurations; compile time is reported apart):
@@ -140,6 +140,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rss-lengths", type=int, nargs="*", default=[4096, 8192, 16384])
+    parser.add_argument("--json", help="also write every printed figure to this JSON file")
     parser.add_argument("--rss-child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rss_child:
@@ -179,17 +180,23 @@ def main() -> None:
           f"decoder weights {weight_bytes / MIB:.0f} MiB\n")
     full = timed["full"]
     bound_full = (weight_bytes + full["cache_bytes"]) / bandwidth / 1e6
-    print(f"{'cache':<30} | {'kept/head':>9} | {'text kept':>9} | {'K/V MiB':>7} | {'decode ms/tok':>13} | "
-          f"{'speed-up':>8} | {'read/step MiB':>13} | {'bound ms/tok':>12} | {'bound speed-up':>14} | "
-          f"{'% of bound':>10} | {'prefill s':>9} | {'vs full':>7} | {'compile s':>9}")
+    rows = []
     for name, row in timed.items():
         step_bytes = weight_bytes + row["cache_bytes"]
         bound = step_bytes / bandwidth / 1e6
-        print(f"{name:<30} | {row['kept']:>9.0f} | {row['kept_text']:>9.0f} | {row['cache_bytes'] / MIB:>7.1f} | "
-              f"{row['decode_ms']:>13.1f} | {full['decode_ms'] / row['decode_ms']:>7.2f}x | "
-              f"{step_bytes / MIB:>13.0f} | "
-              f"{bound:>12.1f} | {bound_full / bound:>13.2f}x | {100 * bound / row['decode_ms']:>9.0f}% | "
-              f"{row['prefill_s']:>9.2f} | {row['prefill_s'] / full['prefill_s']:>6.2f}x | {row['compile_s']:>9.1f}")
+        rows.append({"cache": name, "kept": row["kept"], "kept_text": row["kept_text"], "cache_bytes": row["cache_bytes"],
+                     "decode_ms": row["decode_ms"], "speed_up": full["decode_ms"] / row["decode_ms"],
+                     "step_bytes": step_bytes, "bound_ms": bound, "bound_speed_up": bound_full / bound,
+                     "bound_fraction": bound / row["decode_ms"], "prefill_s": row["prefill_s"],
+                     "prefill_vs_full": row["prefill_s"] / full["prefill_s"], "compile_s": row["compile_s"]})
+    print(f"{'cache':<30} | {'kept/head':>9} | {'text kept':>9} | {'K/V MiB':>7} | {'decode ms/tok':>13} | "
+          f"{'speed-up':>8} | {'read/step MiB':>13} | {'bound ms/tok':>12} | {'bound speed-up':>14} | "
+          f"{'% of bound':>10} | {'prefill s':>9} | {'vs full':>7} | {'compile s':>9}")
+    for r in rows:
+        print(f"{r['cache']:<30} | {r['kept']:>9.0f} | {r['kept_text']:>9.0f} | {r['cache_bytes'] / MIB:>7.1f} | "
+              f"{r['decode_ms']:>13.1f} | {r['speed_up']:>7.2f}x | {r['step_bytes'] / MIB:>13.0f} | "
+              f"{r['bound_ms']:>12.1f} | {r['bound_speed_up']:>13.2f}x | {100 * r['bound_fraction']:>9.0f}% | "
+              f"{r['prefill_s']:>9.2f} | {r['prefill_vs_full']:>6.2f}x | {r['compile_s']:>9.1f}")
     print("\npeak RSS of one LOOK-M 20% prefill + scoring + compression (fresh process each; "
           "counter reset after load and compile)")
     print(f"{'prompt':>6} | {'image':>5} | {'bucket':>6} | {'RSS before MiB':>14} | {'peak MiB':>8} | "
@@ -197,12 +204,20 @@ def main() -> None:
           f"{'compile s':>9}")
     first = rss[0] if rss else {}
     for row in rss:
-        growth = (row["peak_mib"] - row["before_mib"]) / (first["peak_mib"] - first["before_mib"])
+        row["growth_mib"] = row["peak_mib"] - row["before_mib"]
+        row["growth_vs_first"] = row["growth_mib"] / (first["peak_mib"] - first["before_mib"])
+        row["tokens_vs_first"] = row["tokens"] / first["tokens"]
         print(f"{row['tokens']:>6} | {row['image'] / row['tokens']:>5.0%} | {row['bucket']:>6} | "
-              f"{row['before_mib']:>14.0f} | {row['peak_mib']:>8.0f} | {row['peak_mib'] - row['before_mib']:>13.0f} | "
-              f"{row['tokens'] / first['tokens']:>14.2f}x | {growth:>14.2f}x | {row['prefill_s']:>9.1f} | "
+              f"{row['before_mib']:>14.0f} | {row['peak_mib']:>8.0f} | {row['growth_mib']:>13.0f} | "
+              f"{row['tokens_vs_first']:>14.2f}x | {row['growth_vs_first']:>14.2f}x | {row['prefill_s']:>9.1f} | "
               f"{row['compile_s']:>9.1f}")
-
+    if args.json:
+        figures = {"command": " ".join(sys.argv), "cpu_count": os.cpu_count(), "prompt_tokens": int(ids.shape[1]),
+                   "image_tokens": n_image, "new_tokens": args.new_tokens, "repeats": args.repeats,
+                   "load_average": {"start": load_start, "end": load_end}, "bandwidth_gbs": bandwidth,
+                   "weight_bytes": weight_bytes, "configs": rows, "rss": rss}
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
 """SmolLM2-135M decode and prefill on this CPU: lookm-jax vs HF transformers (PyTorch), side by side.
 
-    python bench/decode_cpu.py [--lengths 512 2048] [--new-tokens 64]
+    python bench/decode_cpu.py [--lengths 512 2048] [--new-tokens 64] [--json PATH]
 
 Each engine runs in its own subprocess (so peak RSS is its own); the parent also measures this
 machine's memory read bandwidth and prints the decode roofline, tokens/s = bandwidth / bytes read
@@ -118,6 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--json", help="also write every printed figure to this JSON file")
     parser.add_argument("--engine", choices=("ours", "hf"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:
@@ -132,23 +133,34 @@ def main() -> None:
         results[engine] = json.loads(proc.stdout.strip().splitlines()[-1])
     bandwidth = read_bandwidth_gbs()
     ours, hf = results["ours"], results["hf"]
+    rows = []
+    for length in args.lengths:
+        o, h = ours[str(length)], hf[str(length)]
+        # Bytes read per decode step: every weight, plus the KV cache at its average fill.
+        step_bytes = ours["weight_bytes"] + o["kv_bytes"] * (length + args.new_tokens / 2) / (length + args.new_tokens)
+        roofline = bandwidth * 1e9 / step_bytes
+        rows.append({"length": length, "decode_tok_s": o["decode_tok_s"], "hf_decode_tok_s": h["decode_tok_s"],
+                     "roofline_tok_s": roofline, "roofline_fraction": o["decode_tok_s"] / roofline,
+                     "prefill_tok_s": length / o["prefill_s"], "hf_prefill_tok_s": length / h["prefill_s"],
+                     "compile_s": o["compile_s"], "step_bytes": step_bytes})
     print(f"memory read bandwidth: {bandwidth:.1f} GB/s; weights {ours['weight_bytes'] / 2**20:.0f} MiB (fp32)")
     print(f"{'prompt':>6} | {'prefill tok/s ours / HF (ratio)':>32} | {'decode tok/s ours / HF (ratio)':>31} | "
           f"{'roofline tok/s':>14} | {'ours % roofline':>15} | {'compile s':>9}")
-    for length in map(str, args.lengths):
-        o, h = ours[length], hf[length]
-        prefill_o, prefill_h = int(length) / o["prefill_s"], int(length) / h["prefill_s"]
-        # Bytes read per decode step: every weight, plus the KV cache at its average fill.
-        step_bytes = ours["weight_bytes"] + o["kv_bytes"] * (int(length) + args.new_tokens / 2) / (
-            int(length) + args.new_tokens)
-        roofline = bandwidth * 1e9 / step_bytes
-        print(f"{length:>6} | {prefill_o:>9.0f} / {prefill_h:>7.0f} ({prefill_o / prefill_h:>5.2f}x)      | "
-              f"{o['decode_tok_s']:>8.2f} / {h['decode_tok_s']:>6.2f} ({o['decode_tok_s'] / h['decode_tok_s']:>5.2f}x)"
-              f"      | {roofline:>14.1f} | {100 * o['decode_tok_s'] / roofline:>14.0f}% | {o['compile_s']:>9.1f}")
+    for r in rows:
+        print(f"{r['length']:>6} | {r['prefill_tok_s']:>9.0f} / {r['hf_prefill_tok_s']:>7.0f} "
+              f"({r['prefill_tok_s'] / r['hf_prefill_tok_s']:>5.2f}x)      | {r['decode_tok_s']:>8.2f} / "
+              f"{r['hf_decode_tok_s']:>6.2f} ({r['decode_tok_s'] / r['hf_decode_tok_s']:>5.2f}x)      | "
+              f"{r['roofline_tok_s']:>14.1f} | {100 * r['roofline_fraction']:>14.0f}% | {r['compile_s']:>9.1f}")
     print(f"peak RSS MiB: ours {ours['peak_rss_mib']:.0f}, HF {hf['peak_rss_mib']:.0f}")
     print(f"load: load_default() cold {ours['load_default_cold_s']:.1f} s, from its converted cache "
           f"{ours['load_default_warm_s']:.1f} s; transformers from_pretrained(gguf_file=...) {hf['load_s']:.1f} s")
-
+    if args.json:
+        figures = {"bandwidth_gbs": bandwidth, "weight_bytes": ours["weight_bytes"], "new_tokens": args.new_tokens,
+                   "lengths": rows, "peak_rss_mib": {"ours": ours["peak_rss_mib"], "hf": hf["peak_rss_mib"]},
+                   "load_s": {"default_cold": ours["load_default_cold_s"], "default_warm": ours["load_default_warm_s"],
+                              "hf": hf["load_s"]}}
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,8 @@ Each real checkpoint's config.json (written out below from the published configs
 `lookm_jax.convert.hf.parse_config`, as `lookm_jax.load` would. Parameters: the shapes the
 converter checks a checkpoint against (convert/tables.py, convert/original_llava.py), counted.
 Cache: `jax.eval_shape` of the compiled prefill (`lookm_jax.generate.prefill`) on those parameter
-shapes, with one image in a prompt of --prompt tokens (its bucket) and --new-tokens to generate:
+shapes (in the runtime layout, `llama.runtime_params`), with one image in a prompt of --prompt
+tokens (its bucket) and --new-tokens to generate:
 the decode cache the real program allocates, K and V of (kept prompt slots + new tokens) per layer
 and KV head, in bf16 (the paper's fp16 has the same size). Full cache vs LOOK-M at each budget.
 """
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 from lookm_jax import generate as gen, get_method
 from lookm_jax.convert import original_llava, tables
 from lookm_jax.convert.hf import parse_config
+from lookm_jax.models import llama
 from lookm_jax.models.config import LlavaConfig
 from lookm_jax.models.internvit import InternViTLlavaConfig
 from lookm_jax.models.mobilevlm import MobileVLMConfig
@@ -140,15 +142,16 @@ def main() -> None:
         shapes = param_shapes(cfg)
         counts = {part: sum(math.prod(s) for s in flat.values()) for part, flat in shapes.items()}
         params = abstract_params(shapes, dtype)
+        params["text"] = jax.eval_shape(llama.runtime_params, params["text"])  # the layout prefill reads
         caches = [decode_cache(cfg, params, args.prompt, args.new_tokens, method, dtype) for _, method in methods]
-        full = nbytes(caches[0].keys, caches[0].values)
+        full = nbytes(*caches[0].layer_keys, *caches[0].layer_values)
         t = cfg.text
         per_token = 2 * t.num_layers * t.num_kv_heads * t.head_dim * jnp.dtype(dtype).itemsize
         cells = [name, " / ".join(f"{counts[p] / 1e9:.3f} B" for p in ("text", "vision", "projector")),
                  f"{sum(counts.values()) / 1e9:.3f} B", f"{per_token / 2**10:.0f} KiB"]
         for i, cache in enumerate(caches):
-            size = nbytes(cache.keys, cache.values)
-            assert size == per_token * cache.capacity  # [N, B, Hkv, S, D] K and V, nothing else
+            size = nbytes(*cache.layer_keys, *cache.layer_values)
+            assert size == per_token * cache.capacity  # N x [B, Hkv, S, D] K and V, nothing else
             ratio = "" if i == 0 else f", {size / full:.3f}x"
             cells.append(f"{size / GIB:.3f} GiB ({cache.capacity}{ratio})")
         print("| " + " | ".join(cells) + " |")

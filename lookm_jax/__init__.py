@@ -2,7 +2,7 @@
 
 from lookm_jax.cache import KVCache
 from lookm_jax.errors import InputError, PromptTooLongError
-from lookm_jax.generate import DEFAULT_BUCKETS
+from lookm_jax.generate import DEFAULT_BUCKETS, LONG_BUCKETS
 from lookm_jax.loading import load, load_default
 from lookm_jax.model import GenerationResult, Model
 from lookm_jax.sharding import make_mesh, shard_params

@@ -27,6 +27,9 @@ from lookm_jax.sharding import constrain_cache
 
 # Static prompt lengths: powers of two and the midpoints between them, so padding wastes < 1/3.
 DEFAULT_BUCKETS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+# Long prompts, when asked for (e.g. `Model(..., buckets=LONG_BUCKETS)`): the prefill's program does
+# not grow with the bucket and its memory is O(L x block), so only the arrays themselves grow.
+LONG_BUCKETS = DEFAULT_BUCKETS + (24576, 32768, 49152, 65536, 98304, 131072)
 
 
 def bucket_length(length: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> int:
