@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -46,10 +47,10 @@ def copy_with(src, dst, rename=None, shards=1, drop=(), config_edit=None):
 
 
 def assert_same_params(a, b):
-    flat_a, flat_b = store.flatten(a.params), store.flatten(b.params)
+    flat_a, flat_b = (dict(jax.tree_util.tree_flatten_with_path(m.params)[0]) for m in (a, b))
     assert flat_a.keys() == flat_b.keys()
     for k in flat_a:
-        np.testing.assert_array_equal(flat_a[k], flat_b[k], err_msg=k)
+        np.testing.assert_array_equal(flat_a[k], flat_b[k], err_msg=jax.tree_util.keystr(k))
 
 
 @pytest.mark.parametrize("style", ["hub", "transformers5_model_prefix"])

@@ -14,6 +14,7 @@ import lookm_jax
 from lookm_jax import cli, loading
 from lookm_jax.convert import store
 from lookm_jax.convert.gguf import smollm2_gguf_path
+from lookm_jax.models import llama
 
 
 
@@ -24,7 +25,7 @@ def _demo_folder() -> str:
 def test_cached_demo_equals_fresh_conversion(demo):
     assert store.is_converted(_demo_folder())
     _, fresh, _ = loading.build_demo()
-    cached = store.flatten(demo.params)
+    cached = store.flatten({**demo.params, "text": llama.stored_params(demo.params["text"])})  # the stored layout
     for key, value in store.flatten(fresh).items():
         np.testing.assert_array_equal(cached[key], value, err_msg=key)
 
