@@ -4,8 +4,10 @@
 
 Each engine runs in its own subprocess (so peak RSS is its own); the parent also measures this
 machine's memory read bandwidth and prints the decode roofline, tokens/s = bandwidth / bytes read
-per step (all weights, the tied head included, plus the KV cache). Compile time is reported apart
-from steady-state time. Needs the test extra (torch) for the HF side.
+per step (all weights, the tied head included, plus the KV cache). XLA:CPU's batch-1 dots and cache
+attention do not stream at that bandwidth, so the same run also times those kernels alone
+(`decode_kernel_times`) and prints the bound they set and decode's share of it. Compile time is
+reported apart from steady-state time. Needs the test extra (torch) for the HF side.
 """
 
 from __future__ import annotations
@@ -59,10 +61,49 @@ def run_ours(lengths, new_tokens) -> dict:
         runs = [model.run(ids, max_new_tokens=new_tokens) for _ in range(2)]
         best = min(runs, key=lambda r: r.prefill_seconds + r.decode_seconds)
         out[length] = {"compile_s": first.compile_seconds, "prefill_s": best.prefill_seconds,
-                       "decode_tok_s": (new_tokens - 1) / best.decode_seconds, "kv_bytes": best.cache_bytes}
+                       "decode_tok_s": (new_tokens - 1) / best.decode_seconds, "kv_bytes": best.cache_bytes,
+                       "kernels": decode_kernel_times(model, best.cache_bytes)}
     out["weight_bytes"] = sum(a.nbytes for a in __import__("jax").tree.leaves(model.params))
     out["peak_rss_mib"] = peak_rss_mib()
     return out
+
+
+def decode_kernel_times(model, kv_bytes: int, repeats: int = 10) -> dict:
+    """The decode step's two streaming kernels alone, each one jitted call, best of `repeats`:
+    every batch-1 weight dot (the model's own weights, the head included) and the cache attention
+    of every layer over a full cache of `kv_bytes` (random K/V). A step that did nothing but these
+    kernels would take their sum: the bound that XLA:CPU's kernels themselves set."""
+    import jax
+    import jax.numpy as jnp
+
+    from lookm_jax.models import llama, llava
+
+    def best_ms(fn, *args) -> float:
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - start)
+        return 1e3 * min(times)
+
+    cfg, text = llava.text_config(model.config), model.params["text"]
+    weights = [w for lp in text["layers"] for w in lp.values() if w.ndim == 2] + [text.get("lm_head", text["embed"])]
+    inputs = [jnp.ones((1, w.shape[1]), w.dtype) for w in weights]
+    dots_ms = best_ms(jax.jit(lambda ws, xs: [llama.dense(x, w) for w, x in zip(ws, xs)]), weights, inputs)
+
+    dtype = weights[0].dtype
+    slots = kv_bytes // (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize)
+    shape = (1, cfg.num_kv_heads, slots, cfg.head_dim)
+    keys = [jax.random.normal(jax.random.key(i), shape, dtype) for i in range(2 * cfg.num_layers)]
+    q = jnp.ones((1, cfg.num_heads, 1, cfg.head_dim), dtype)
+    own = jnp.ones((1, cfg.num_kv_heads, 1, cfg.head_dim), dtype)
+    mask = jnp.ones(shape[:3], bool)
+    attend = jax.jit(lambda kv: [llama.attend_step(q, k, v, mask, own, own) for k, v in zip(kv[::2], kv[1::2])])
+    attention_ms = best_ms(attend, keys)
+    weight_bytes = sum(w.nbytes for w in weights)
+    return {"dots_ms": dots_ms, "dots_gbs": weight_bytes / dots_ms / 1e6,
+            "attention_ms": attention_ms, "attention_gbs": kv_bytes / attention_ms / 1e6}
 
 
 def run_hf(lengths, new_tokens) -> dict:
@@ -139,18 +180,30 @@ def main() -> None:
         # Bytes read per decode step: every weight, plus the KV cache at its average fill.
         step_bytes = ours["weight_bytes"] + o["kv_bytes"] * (length + args.new_tokens / 2) / (length + args.new_tokens)
         roofline = bandwidth * 1e9 / step_bytes
+        kernels = o["kernels"]
+        kernel_bound = 1e3 / (kernels["dots_ms"] + kernels["attention_ms"])
         rows.append({"length": length, "decode_tok_s": o["decode_tok_s"], "hf_decode_tok_s": h["decode_tok_s"],
                      "roofline_tok_s": roofline, "roofline_fraction": o["decode_tok_s"] / roofline,
+                     "kernel_bound_tok_s": kernel_bound, "kernel_bound_fraction": o["decode_tok_s"] / kernel_bound,
+                     "kernels": kernels,
                      "prefill_tok_s": length / o["prefill_s"], "hf_prefill_tok_s": length / h["prefill_s"],
                      "compile_s": o["compile_s"], "step_bytes": step_bytes})
     print(f"memory read bandwidth: {bandwidth:.1f} GB/s; weights {ours['weight_bytes'] / 2**20:.0f} MiB (fp32)")
     print(f"{'prompt':>6} | {'prefill tok/s ours / HF (ratio)':>32} | {'decode tok/s ours / HF (ratio)':>31} | "
-          f"{'roofline tok/s':>14} | {'ours % roofline':>15} | {'compile s':>9}")
+          f"{'roofline tok/s':>14} | {'ours % roofline':>15} | {'kernel bound tok/s':>18} | "
+          f"{'ours % kernel bound':>19} | {'compile s':>9}")
     for r in rows:
         print(f"{r['length']:>6} | {r['prefill_tok_s']:>9.0f} / {r['hf_prefill_tok_s']:>7.0f} "
               f"({r['prefill_tok_s'] / r['hf_prefill_tok_s']:>5.2f}x)      | {r['decode_tok_s']:>8.2f} / "
               f"{r['hf_decode_tok_s']:>6.2f} ({r['decode_tok_s'] / r['hf_decode_tok_s']:>5.2f}x)      | "
-              f"{r['roofline_tok_s']:>14.1f} | {100 * r['roofline_fraction']:>14.0f}% | {r['compile_s']:>9.1f}")
+              f"{r['roofline_tok_s']:>14.1f} | {100 * r['roofline_fraction']:>14.0f}% | "
+              f"{r['kernel_bound_tok_s']:>18.1f} | {100 * r['kernel_bound_fraction']:>18.0f}% | {r['compile_s']:>9.1f}")
+    print("kernel bound = 1 / (every weight dot alone + every layer's cache attention alone), measured in the "
+          "same run; they stream at:")
+    for r in rows:
+        k = r["kernels"]
+        print(f"{r['length']:>6}: weight dots {k['dots_ms']:.1f} ms ({k['dots_gbs']:.1f} GB/s), cache attention "
+              f"{k['attention_ms']:.2f} ms ({k['attention_gbs']:.1f} GB/s), against {bandwidth:.1f} GB/s for a plain sum")
     print(f"peak RSS MiB: ours {ours['peak_rss_mib']:.0f}, HF {hf['peak_rss_mib']:.0f}")
     print(f"load: load_default() cold {ours['load_default_cold_s']:.1f} s, from its converted cache "
           f"{ours['load_default_warm_s']:.1f} s; transformers from_pretrained(gguf_file=...) {hf['load_s']:.1f} s")
