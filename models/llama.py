@@ -19,8 +19,6 @@ prefill, the shared prefill and the attention analysis call it with their own pe
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,28 +100,16 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
 
 def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array, k: jax.Array,
                 v: jax.Array) -> jax.Array:
-    """One decode step: q [B, Hq, 1, D] attends, in one fp32 softmax, to the cache (k/v_cache
+    """One decode step: q [B, Hq, 1, D] attends, in one softmax, to the cache (k/v_cache
     [B, Hkv, S, D], valid slots mask [B, Hkv, S]) and to its own token (k/v [B, Hkv, 1, D]).
 
-    Returns [B, Hq, 1, D]. Scores and the value mix are fp32 products reduced over D and over S,
-    not dots: with only G = Hq / Hkv query rows per KV head, XLA:CPU's batched dots stream the
-    cache at ~6 GB/s and the fused multiply-reduce at ~13 GB/s (bench/decode_cpu.py times it).
-    The cache is read before the token is written into it (``KVCache.append(..., after=)``):
-    reading the updated buffer would make XLA copy the cache.
+    Returns [B, Hq, 1, D]. The cache is read before the token is written into it
+    (``KVCache.append(..., after=)``): reading the updated buffer would make XLA copy the cache.
     """
-    b, hq, _, d = q.shape
-    hkv = k_cache.shape[1]
-    qg = q.reshape(b, hkv, hq // hkv, 1, d).astype(jnp.float32)  # [B, Hkv, G, 1, D]
-    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
-    # Scaled after the sum: scaling qg first makes XLA:CPU fuse the product 8x slower.
-    cached = jnp.sum(qg * f32(k_cache)[:, :, None], axis=-1) * d**-0.5  # [B, Hkv, G, S]
-    cached = jnp.where(mask[:, :, None, :], cached, _MASKED)
-    own = jnp.sum(qg * f32(k)[:, :, None], axis=-1) * d**-0.5  # [B, Hkv, G, 1]
-    top = jnp.maximum(jnp.max(cached, axis=-1, keepdims=True), own)  # the softmax over S + 1 entries
-    weights, own_weight = jnp.exp(cached - top), jnp.exp(own - top)
-    total = jnp.sum(weights, axis=-1, keepdims=True) + own_weight  # [B, Hkv, G, 1]
-    mixed = jnp.sum(weights[..., None] * f32(v_cache)[:, :, None], axis=-2) + own_weight * f32(v)[:, :, None, 0]
-    return (mixed / total).reshape(b, hq, 1, d).astype(v.dtype)  # mixed [B, Hkv, G, D]
+    cached = _masked_scores(q, k_cache, mask[:, :, None, None, :])  # [B, Hkv, G, 1, S]
+    own = _masked_scores(q, k, True)  # [B, Hkv, G, 1, 1]
+    probs = jax.nn.softmax(jnp.concatenate([cached, own], axis=-1), axis=-1)
+    return _mix_values(probs[..., :-1], v_cache) + _mix_values(probs[..., -1:], v)
 
 
 def _query_groups(n_blocks: int) -> list[tuple[int, int]]:
