@@ -47,7 +47,8 @@ def _check_sizes(result, method, new_tokens):
     else:
         kept = length
     assert result.cache_bytes * (bucket + new_tokens) == result.full_cache_bytes * (capacity + new_tokens)
-    assert result.kept_image_tokens[0] + result.kept_text_tokens[0] == kept
+    # Means over layers and KV heads, in float32: a miscounted slot moves the sum by 1 / (N * Hkv) >> 1e-3.
+    assert result.kept_image_tokens[0] + result.kept_text_tokens[0] == pytest.approx(kept, abs=1e-3)
     chex.assert_shape(result.tokens, (1, new_tokens))
 
 
