@@ -6,7 +6,7 @@ Each engine runs in its own subprocess (so peak RSS is its own); the parent also
 machine's memory read bandwidth and prints the decode roofline, tokens/s = bandwidth / bytes read
 per step (all weights, the tied head included, plus the KV cache). XLA:CPU's batch-1 dots and cache
 attention do not stream at that bandwidth, so the same run also times those kernels alone
-(`decode_kernel_times`) and prints the bound they set and decode's share of it. Compile time is
+(`weight_dots_time`, once, and `cache_attention_time` per length) and prints the bound they set and decode's share of it. Compile time is
 reported apart from steady-state time. Needs the test extra (torch) for the HF side.
 """
 
@@ -62,31 +62,36 @@ def run_ours(lengths, new_tokens) -> dict:
         best = min(runs, key=lambda r: r.prefill_seconds + r.decode_seconds)
         out[length] = {"compile_s": first.compile_seconds, "prefill_s": best.prefill_seconds,
                        "decode_tok_s": (new_tokens - 1) / best.decode_seconds, "kv_bytes": best.cache_bytes,
-                       "kernels": decode_kernel_times(model, best.cache_bytes)}
+                       "kernels": cache_attention_time(model, best.cache_bytes)}
+    dots = weight_dots_time(model)
+    for length in lengths:
+        out[length]["kernels"].update(dots)
     out["weight_bytes"] = sum(a.nbytes for a in __import__("jax").tree.leaves(model.params))
     out["peak_rss_mib"] = peak_rss_mib()
     return out
 
 
-def decode_kernel_times(model, kv_bytes: int, repeats: int = 10) -> dict:
-    """The decode step's two streaming kernels alone, each as one jitted chain, best of `repeats`:
-    every batch-1 weight dot (the model's own weights, the head included) and every layer's cache
-    attention over a full cache of `kv_bytes` (random K/V). Each kernel's input depends on the
-    previous one's output, as in a decode step, so they run one after the other, not side by side.
-    A step that did nothing but these kernels would take their sum: the bound they set."""
+def _best_ms(fn, *args, repeats: int = 10) -> float:
+    """Best of `repeats` calls of a jitted fn, after one warm-up call (its compile)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return 1e3 * min(times)
+
+
+def weight_dots_time(model) -> dict:
+    """Every batch-1 weight dot of the model alone (its own weights, the head included), as one
+    jitted chain: each dot's input depends on the previous dot's output, as in a decode step, so
+    they run one after the other, not side by side. The same for every prompt length."""
     import jax
     import jax.numpy as jnp
 
-    from lookm_jax.models import llama, llava
-
-    def best_ms(fn, *args) -> float:
-        jax.block_until_ready(fn(*args))
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - start)
-        return 1e3 * min(times)
+    from lookm_jax.models import llama
 
     def dots(weights):
         y = jnp.ones((1, 1), weights[0].dtype)
@@ -94,24 +99,34 @@ def decode_kernel_times(model, kv_bytes: int, repeats: int = 10) -> dict:
             y = llama.dense(jnp.ones((1, w.shape[1]), w.dtype) + 0 * y[:, :1], w)  # depends on the last dot
         return y
 
-    def attention(q, kv):
-        for k, v in zip(kv[::2], kv[1::2]):
-            q = q + 0 * llama.attend_step(q, k, v, mask, own, own)  # depends on the last layer's output
-        return q
-
-    cfg, text = llava.text_config(model.config), model.params["text"]
+    text = model.params["text"]
     weights = [w for lp in text["layers"] for w in lp.values() if w.ndim == 2] + [text.get("lm_head", text["embed"])]
-    dots_ms = best_ms(jax.jit(dots), weights)
-    dtype = weights[0].dtype
+    dots_ms = _best_ms(jax.jit(dots), weights)
+    return {"dots_ms": dots_ms, "dots_gbs": sum(w.nbytes for w in weights) / dots_ms / 1e6}
+
+
+def cache_attention_time(model, kv_bytes: int) -> dict:
+    """Every layer's decode attention alone over a full cache of `kv_bytes` (random K/V), chained
+    like the dots of `weight_dots_time`."""
+    import jax
+    import jax.numpy as jnp
+
+    from lookm_jax.models import llama, llava
+
+    cfg, dtype = llava.text_config(model.config), model.params["text"]["embed"].dtype
     slots = kv_bytes // (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize)
     shape = (1, cfg.num_kv_heads, slots, cfg.head_dim)
     cache = [jax.random.normal(jax.random.key(i), shape, dtype) for i in range(2 * cfg.num_layers)]
     own = jnp.ones((1, cfg.num_kv_heads, 1, cfg.head_dim), dtype)
     mask = jnp.ones(shape[:3], bool)
-    attention_ms = best_ms(jax.jit(attention), jnp.ones((1, cfg.num_heads, 1, cfg.head_dim), dtype), cache)
-    weight_bytes = sum(w.nbytes for w in weights)
-    return {"dots_ms": dots_ms, "dots_gbs": weight_bytes / dots_ms / 1e6,
-            "attention_ms": attention_ms, "attention_gbs": kv_bytes / attention_ms / 1e6}
+
+    def attention(q, kv):
+        for k, v in zip(kv[::2], kv[1::2]):
+            q = q + 0 * llama.attend_step(q, k, v, mask, own, own)  # depends on the last layer's output
+        return q
+
+    attention_ms = _best_ms(jax.jit(attention), jnp.ones((1, cfg.num_heads, 1, cfg.head_dim), dtype), cache)
+    return {"attention_ms": attention_ms, "attention_gbs": kv_bytes / attention_ms / 1e6}
 
 
 def run_hf(lengths, new_tokens) -> dict:

@@ -238,5 +238,3 @@ def compress_prefilled(prefilled: Prefilled, *, method, max_new_tokens: int) -> 
     _, kept = jax.lax.scan(layer, None, layer_inputs)
     return KVCache.from_prompt(*kept, prefilled.valid.sum(axis=1), max_new_tokens)
 
-
-concat_caches = KVCache.concat_rows  # [caches of equal capacity and cursor] -> one cache, rows stacked

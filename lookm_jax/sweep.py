@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lookm_jax import generate as gen, inputs
+from lookm_jax.cache import KVCache
 from lookm_jax.errors import InputError
 from lookm_jax.scoring import STATISTICS
 
@@ -53,7 +54,7 @@ def generate_methods(model, input_ids, pixel_values=None, attention_mask=None, m
             caches = [gen.compress_prefilled(prefilled, method=methods[i], max_new_tokens=max_new_tokens)
                       for i in chunk]
             first = jnp.tile(prefilled.first, len(chunk))
-            tokens, _, _ = gen.decode(text_config, model.params["text"], first, gen.concat_caches(caches),
+            tokens, _, _ = gen.decode(text_config, model.params["text"], first, KVCache.concat_rows(caches),
                                       key, max_new_tokens=max_new_tokens, sampling=sampling,
                                       eos_ids=text_config.eos_token_ids)
             for i, rows in zip(chunk, np.split(np.asarray(tokens), len(chunk))):

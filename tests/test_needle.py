@@ -14,7 +14,7 @@ import pytest
 
 import lookm_jax
 from conftest import IMAGE_TOKEN, image_ids
-from lookm_jax import generate as gen, get_method, sweep
+from lookm_jax import KVCache, generate as gen, get_method, sweep
 from lookm_jax.eval import harness, needle
 from lookm_jax.methods import Method
 from lookm_jax.scoring import STATISTICS
@@ -104,8 +104,8 @@ def test_concat_caches_stacks_rows_and_refuses_unequal_capacities(prefilled):
     a = gen.compress_prefilled(prefilled, method=METHODS["roco"], max_new_tokens=NEW)
     b = gen.compress_prefilled(prefilled, method=get_method("h2o", budget=0.2), max_new_tokens=NEW)
     with pytest.raises(ValueError, match="equal capacity"):
-        gen.concat_caches([a, b])
-    both = gen.concat_caches([a, a])
+        KVCache.concat_rows([a, b])
+    both = KVCache.concat_rows([a, a])
     chex.assert_shape(both.positions, (2, 4) + a.positions.shape[2:])
     np.testing.assert_array_equal(both.positions[:, 2:], a.positions)
     np.testing.assert_array_equal(both.next_position, np.tile(a.next_position, 2))
