@@ -70,6 +70,24 @@ def tiny_llava_folder(tmp_path_factory) -> str:
     return str(folder)
 
 
+@pytest.fixture(scope="session")
+def hf_smollm2_gguf():
+    """transformers' own GGUF loader on the real SmolLM2 file: {"config": dict, "tensors": {name: torch
+    tensor}}. Dequantising takes ~25 s here, so test_gguf and test_smollm2 share one read."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from lookm_jax.convert.gguf import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    config = load_gguf_checkpoint(path, return_tensors=False)["config"]
+    # The loader maps names from a model's state_dict (names and layer count only): a meta-device model.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig.from_dict(config))
+    return load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)
+
+
 @pytest.fixture(scope="module")
 def demo():
     """The embedded demo model (`load_default`), built once per session into the temporary LOOKM_CACHE."""

@@ -9,9 +9,7 @@ import re
 import gguf
 import numpy as np
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from transformers import AutoTokenizer, LlamaConfig
 
 from lookm_jax.convert.gguf import dequantize_q4_1, read_gguf, smollm2_gguf_path
 from lookm_jax.convert.tokenizer import apply_chat_template
@@ -30,12 +28,9 @@ def ckpt(path):
 
 
 @pytest.fixture(scope="module")
-def hf_parsed(path, ckpt):
+def hf_parsed(hf_smollm2_gguf):
     """transformers' own GGUF loader (5.24 routes llama through this legacy one): config dict + tensors."""
-    # The loader maps names from a model's state_dict (names and layer count only): a meta-device model.
-    with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(**ckpt.config))
-    return load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)
+    return hf_smollm2_gguf
 
 
 @pytest.fixture(scope="module")

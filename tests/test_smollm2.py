@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -19,14 +17,18 @@ PROMPT = ("The city of Lyon sits where two rivers meet; its old town is known fo
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    """transformers' own GGUF loader (dequantises in ~35 s here)."""
-    from transformers import AutoModelForCausalLM
+def hf_model(hf_smollm2_gguf):
+    """transformers' Llama with the tensors and config of its own GGUF loader (what
+    `from_pretrained(gguf_file=...)` builds; the dequantised file is shared with test_gguf)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = smollm2_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32)
-    return model.eval()
+    config = LlamaConfig.from_dict(hf_smollm2_gguf["config"])
+    assert config.tie_word_embeddings  # the file has no output.weight
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(hf_smollm2_gguf["tensors"], strict=False)
+    assert (missing, unexpected) == (["lm_head.weight"], []), (missing, unexpected)
+    model.tie_weights()
+    return model.to(torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

@@ -58,6 +58,16 @@ def test_loss_halves_on_a_fixed_batch(tiny, tmp_path):
     assert losses[-1] < 0.5 * losses[0], losses
 
 
+@pytest.mark.parametrize("scale", [0.0, 0.5])
+def test_tower_moves_only_at_a_positive_learning_rate_scale(tiny, tmp_path, scale):
+    batch = _fixed_batch(tiny)
+    config = dataclasses.replace(_config(3), tower_learning_rate_scale=scale)
+    trained = vision.train(tiny, config, str(tmp_path), batch_fn=lambda step: batch, progress=False)
+    before = jax.device_get({k: tiny.params[k] for k in vision.TRAINABLE})
+    moved = {k: not jax.tree.all(jax.tree.map(np.array_equal, trained[k], before[k])) for k in before}
+    assert moved == {"vision": scale > 0, "projector": True}
+
+
 def test_killed_run_resumes_to_the_uninterrupted_parameters(tiny, tmp_path):
     batches = {s: dataclasses.replace(_fixed_batch(tiny), targets=_fixed_batch(tiny).targets + s)
                for s in range(1, 8)}  # a different batch per step, as the scene stream gives
@@ -93,22 +103,32 @@ def test_train_config_refuses_bad_values():
         vision.TrainConfig(steps=0)
     with pytest.raises(ValueError, match="warmup_steps < steps"):
         vision.TrainConfig(steps=10, warmup_steps=10)
+    with pytest.raises(ValueError, match=r"tower_learning_rate_scale must be in \[0, 1\]"):
+        vision.TrainConfig(tower_learning_rate_scale=2.0)
 
 
 def test_patch_labels_follow_the_drawn_objects():
     scene = scenes.Scene((scenes.SceneObject("blue", "square", 0.25, 0.25, 0.2),), (200, 200, 200), (0.0, 0.0), 0)
-    colour, shape = tower.patch_labels(scene, 112, 14)
-    grid_c, grid_s = colour.reshape(8, 8), shape.reshape(8, 8)
-    assert grid_c[2, 2] == 1 + list(scenes.COLOURS).index("blue") and grid_s[2, 2] == 1 + scenes.SHAPES.index("square")
-    assert grid_c[6, 6] == 0 and grid_s[6, 6] == 0  # background
-    assert (grid_c > 0).sum() == (grid_s > 0).sum() > 0
+    labels = tower.patch_labels(scene, 112, 14)
+    assert set(labels) == set(tower.TARGETS)
+    grid = {name: v.reshape(8, 8) for name, v in labels.items()}
+    assert grid["colour"][2, 2] == 1 + list(scenes.COLOURS).index("blue")
+    assert grid["shape"][2, 2] == scenes.SHAPES.index("square")
+    assert (grid["side"][2, 2], grid["half"][2, 2]) == (0, 0)  # left, top
+    assert grid["colour"][6, 6] == 0  # background
+    assert 0 < (grid["colour"] > 0).sum() < 64
+    assert (labels["count"] == 0).all()  # one object
 
 
 def test_pretraining_raises_patch_accuracy(tiny):
     cfg = tiny.config.vision  # 30 px, 6 px patches
-    config = tower.PretrainConfig(steps=40, batch_size=16, dataset=64, learning_rate=3e-3, warmup_steps=4)
+    config = tower.PretrainConfig(steps=80, batch_size=16, dataset=64, learning_rate=3e-3, warmup_steps=4)
     _, log = tower.pretrain(cfg, tiny.params["vision"], lambda p: tiny.preprocess_images(p)[0], config, progress=False)
-    assert log[-1]["loss"] < 0.6 * log[0]["loss"]
+    assert set(log[0]) == {"pretrain_step", "loss"} | {f"{name}_accuracy" for name in tower.TARGETS}
+    first, last = ({k: np.mean([r[k] for r in part]) for k in log[0]} for part in (log[:10], log[-10:]))
+    assert last["loss"] < first["loss"] - 1.0
+    assert last["colour_accuracy"] > 0.9 > first["colour_accuracy"]
+    assert last["shape_accuracy"] > first["shape_accuracy"] + 0.1  # the loss runs over object patches only
 
 
 def test_training_conversation_matches_inference_prompt(demo):

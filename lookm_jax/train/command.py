@@ -10,8 +10,8 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "vision",
         help="train the demo's vision tower + projector on procedural scenes (frozen decoder)",
-        description="Stage 0 pretrains the tower on patch labels; stage 1 trains tower and projector on "
-                    "answer tokens through the frozen SmolLM2 decoder. Resumes from OUTPUT's checkpoint.")
+        description="Stage 0 pretrains the tower on patch labels; stage 1 trains the projector (and, with "
+                    "--tower-lr-scale, the tower) on answer tokens through the frozen SmolLM2 decoder. Resumes from OUTPUT's checkpoint.")
     p.add_argument("--steps", type=int, default=400, help="stage-1 steps (the cosine schedule's length)")
     p.add_argument("--output", required=True, help="run folder: checkpoint, log.jsonl, demo_vision.safetensors (required)")
     p.add_argument("--learning-rate", type=float, default=2e-3, help="stage-1 peak AdamW learning rate")
@@ -19,7 +19,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="single-picture conversations per step")
     p.add_argument("--multi-every", type=int, default=4,
                    help="every N-th step trains on 8-picture conversations instead (0 = never)")
-    p.add_argument("--pretrain-steps", type=int, default=300, help="stage-0 steps (0 = skip stage 0)")
+    p.add_argument("--tower-lr-scale", type=float, default=0.0,
+                   help="stage-1 learning rate of the tower as a fraction of the projector's, in [0, 1] "
+                        "(default 0: the tower keeps its stage-0 features, as in LLaVA's stage 1)")
+    p.add_argument("--pretrain-steps", type=int, default=1500, help="stage-0 steps (0 = skip stage 0)")
     p.add_argument("--eval-every", type=int, default=50, help="steps between held-out accuracy checks")
     p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
     p.add_argument("--init", metavar="WEIGHTS",
@@ -45,6 +48,7 @@ def cmd_vision(args) -> int:
         single=dataclasses.replace(defaults.single, batch_size=args.batch_size),
         multi=defaults.multi if args.multi_every else None, multi_every=max(args.multi_every, 1),
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
+        tower_learning_rate_scale=args.tower_lr_scale,
         pretrain=tower.PretrainConfig(steps=args.pretrain_steps, seed=args.seed)
         if args.pretrain_steps and not args.init else None)
     model = loading.demo_model(vision="init")

@@ -2,10 +2,17 @@
 
 A LLaVA tower comes pretrained (CLIP); ours starts from scratch, and every step through the frozen
 decoder costs ~10 s on 2 CPU cores. So the tower first learns, without the decoder, what each patch
-shows: a linear head on every patch feature predicts the colour and the shape of the object covering
-the patch (or background). This is cheap (the tower is ~2 M parameters) and makes the features
-linearly readable; stage 1 (`lookm_jax.train.vision`) then aligns them to the decoder on answer
-tokens. The head is discarded: at inference only pixels reach the features.
+shows: a linear head on every patch feature predicts the colour of the patch (or background) and, for
+a patch of an object, the object's shape and which side and half of the picture it is in, and for
+every patch how many objects the picture holds (`TARGETS`). This is cheap (the tower is ~2 M
+parameters) and makes every question kind linearly readable from the features; stage 1
+(`lookm_jax.train.vision`) then aligns them to the decoder on answer tokens. The head is discarded:
+at inference only pixels reach the features.
+
+Measured here (1024 training scenes, probe on 256 held-out ones): a linear probe reads an object
+patch's shape at 0.32 from the seeded tower (chance 0.33) and 0.43 after 300 steps of a loss summed
+over all patches (background dominates it); with the shape loss over object patches only, 0.70 after
+800 steps, most of it gained after step 600.
 """
 
 from __future__ import annotations
@@ -22,20 +29,31 @@ from PIL import Image, ImageDraw
 from lookm_jax import scenes
 from lookm_jax.models import clip
 
+# Stage-0 targets per patch: name -> (classes, over which patches the loss runs). The colour's class 0
+# is background, which also marks the patches that belong to no object.
+TARGETS = {
+    "colour": (1 + len(scenes.COLOURS), "all"),
+    "shape": (len(scenes.SHAPES), "object"),
+    "side": (2, "object"),  # the object's centre left (0) or right (1) of the midline
+    "half": (2, "object"),  # top (0) or bottom (1)
+    "count": (scenes.MAX_OBJECTS, "all"),  # objects in the picture, minus one
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class PretrainConfig:
-    steps: int = 400
+    steps: int = 1500
     batch_size: int = 32
-    dataset: int = 2048  # distinct training scenes, cycled
+    dataset: int = 4096  # distinct training scenes, cycled
     learning_rate: float = 2e-3
     warmup_steps: int = 20
     seed: int = 0
 
 
-def patch_labels(scene: scenes.Scene, size: int, patch: int) -> tuple[np.ndarray, np.ndarray]:
-    """-> (colour, shape) [P] int32 per patch, row-major: the class covering most of the patch
-    (0 = background, else 1 + index in COLOURS / SHAPES), drawn with the same geometry as `render`."""
+def patch_labels(scene: scenes.Scene, size: int, patch: int) -> dict[str, np.ndarray]:
+    """-> {target name: [P] int32} per patch, row-major (`TARGETS`), the patch's owner being the object
+    covering most of it (or background), drawn with the same geometry as `render`. Object-only targets
+    are 0 on background patches (the loss ignores them there)."""
     big = 2 * size
     ids = Image.new("L", (big, big), 0)
     draw = ImageDraw.Draw(ids)
@@ -45,38 +63,49 @@ def patch_labels(scene: scenes.Scene, size: int, patch: int) -> tuple[np.ndarray
     grid = grid.reshape(-1, (2 * patch) ** 2)
     counts = np.stack([(grid == i).sum(-1) for i in range(len(scene.objects) + 1)], axis=-1)
     owner = counts.argmax(-1)  # [P]: 0 = background, i = object i
-    colour_of = np.array([0] + [1 + list(scenes.COLOURS).index(o.colour) for o in scene.objects])
-    shape_of = np.array([0] + [1 + scenes.SHAPES.index(o.shape) for o in scene.objects])
-    return colour_of[owner].astype(np.int32), shape_of[owner].astype(np.int32)
+    per_object = {
+        "colour": [0] + [1 + list(scenes.COLOURS).index(o.colour) for o in scene.objects],
+        "shape": [0] + [scenes.SHAPES.index(o.shape) for o in scene.objects],
+        "side": [0] + [int(o.x >= 0.5) for o in scene.objects],
+        "half": [0] + [int(o.y >= 0.5) for o in scene.objects],
+    }
+    labels = {name: np.asarray(values, np.int32)[owner] for name, values in per_object.items()}
+    labels["count"] = np.full(owner.shape, len(scene.objects) - 1, np.int32)
+    return labels
 
 
 def dataset(cfg, config: PretrainConfig, preprocess: Callable[[list], np.ndarray]) -> dict[str, np.ndarray]:
     """`config.dataset` training scenes: pixels [N, 3, S, S] (`preprocess`: PIL images -> pixel
-    values, the model's own processor), colour/shape labels [N, P]."""
+    values, the model's own processor) and every `TARGETS` label [N, P]."""
     size, patch = cfg.image_size, cfg.patch_size
     samples = [scenes.single_picture_sample("train", config.seed, 10**7 + i) for i in range(config.dataset)]
     pixels = preprocess([scenes.render(s.scene, size) for s in samples])
     labels = [patch_labels(s.scene, size, patch) for s in samples]
-    return {"pixels": pixels, "colour": np.stack([c for c, _ in labels]), "shape": np.stack([s for _, s in labels])}
+    return {"pixels": pixels, **{name: np.stack([l[name] for l in labels]) for name in TARGETS}}
 
 
 def init_head(cfg, seed: int) -> dict:
     rng = np.random.default_rng(seed + 1)
-    classes = 1 + len(scenes.COLOURS) + 1 + len(scenes.SHAPES)
+    classes = sum(n for n, _ in TARGETS.values())
     return {"w": jnp.asarray(0.02 * rng.standard_normal((cfg.hidden_size, classes)), jnp.float32),
             "b": jnp.zeros((classes,), jnp.float32)}
 
 
-def patch_loss(cfg, tower: dict, head: dict, batch: dict) -> tuple[jax.Array, jax.Array]:
-    """(cross-entropy, accuracy) of colour and shape per patch, from the last layer's patch features."""
+def patch_loss(cfg, tower: dict, head: dict, batch: dict) -> tuple[jax.Array, dict]:
+    """(summed cross-entropy, {target: accuracy}) of every `TARGETS` label over its patches, from the
+    last layer's patch features through the linear head."""
     h = clip.hidden_states(cfg, tower, batch["pixels"], depth=cfg.num_layers)[-1][:, 1:]  # [N, P, Hv]
-    logits = h @ head["w"] + head["b"]
-    n_colour = 1 + len(scenes.COLOURS)
-    losses, accuracy = [], []
-    for part, labels in ((logits[..., :n_colour], batch["colour"]), (logits[..., n_colour:], batch["shape"])):
-        losses.append(optax.softmax_cross_entropy_with_integer_labels(part, labels).mean())
-        accuracy.append((part.argmax(-1) == labels).mean())
-    return sum(losses), sum(accuracy) / 2
+    logits = h @ head["w"] + head["b"]  # [N, P, sum of classes]
+    on_object = (batch["colour"] > 0).astype(jnp.float32)
+    loss, accuracy, offset = 0.0, {}, 0
+    for name, (classes, over) in TARGETS.items():
+        part, labels = logits[..., offset:offset + classes], batch[name]
+        offset += classes
+        weight = on_object if over == "object" else jnp.ones_like(on_object)
+        total = jnp.maximum(weight.sum(), 1.0)
+        loss += (optax.softmax_cross_entropy_with_integer_labels(part, labels) * weight).sum() / total
+        accuracy[name] = ((part.argmax(-1) == labels) * weight).sum() / total
+    return loss, accuracy
 
 
 def pretrain(cfg, tower: dict, preprocess: Callable[[list], np.ndarray], config: PretrainConfig,
@@ -101,8 +130,11 @@ def pretrain(cfg, tower: dict, preprocess: Callable[[list], np.ndarray], config:
 
     rng = np.random.default_rng(config.seed)
     log = []
-    for s in tqdm(range(config.steps), desc="pretrain tower", unit="step", disable=not progress):
+    bar = tqdm(range(config.steps), desc="pretrain tower", unit="step", disable=not progress)
+    for s in bar:
         index = rng.choice(config.dataset, config.batch_size, replace=False)
         params, opt_state, loss, acc = step(params, opt_state, {k: jnp.asarray(v[index]) for k, v in data.items()})
-        log.append({"pretrain_step": s + 1, "loss": float(loss), "patch_accuracy": float(acc)})
+        log.append({"pretrain_step": s + 1, "loss": float(loss),
+                    **{f"{name}_accuracy": float(v) for name, v in acc.items()}})
+        bar.set_postfix(loss=f"{log[-1]['loss']:.3f}", shape=f"{log[-1]['shape_accuracy']:.2f}")
     return jax.device_get(params["tower"]), log
