@@ -27,12 +27,16 @@ $(VENV)/.installed-test: $(VENV)/.installed-runtime
 demo: $(VENV)/.installed-runtime
 	$(BIN)/lookm generate
 
+# One pytest process per core (at most 4), each running whole test files, so that module fixtures are
+# built once; most of the suite is single-threaded XLA compilation, which two processes overlap.
+PYTEST := HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
+
 test: $(VENV)/.installed-test
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	$(PYTEST)
 
 # The inner loop: everything but the tests marked slow.
 test-fast: $(VENV)/.installed-test
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -40,7 +40,9 @@ def test_make_demo_installs_the_runtime_only_and_both_targets_use_the_constraint
     assert re.search(r"^demo: \$\(VENV\)/\.installed-runtime$", makefile, re.M)
     assert re.search(r"^test: \$\(VENV\)/\.installed-test$", makefile, re.M)
     assert "PIP := $(BIN)/python -m pip install -q -c constraints.txt" in makefile
-    assert 'test-fast: $(VENV)/.installed-test\n\tHF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow"' in makefile
+    assert "PYTEST := HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile" in makefile
+    assert "test: $(VENV)/.installed-test\n\t$(PYTEST)\n" in makefile
+    assert 'test-fast: $(VENV)/.installed-test\n\t$(PYTEST) -m "not slow"' in makefile
 
 
 def test_every_dependency_is_pinned_and_installed_at_its_pin():

@@ -22,7 +22,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tower-lr-scale", type=float, default=0.0,
                    help="stage-1 learning rate of the tower as a fraction of the projector's, in [0, 1] "
                         "(default 0: the tower keeps its stage-0 features, as in LLaVA's stage 1)")
-    p.add_argument("--pretrain-steps", type=int, default=1500, help="stage-0 steps (0 = skip stage 0)")
+    p.add_argument("--pretrain-steps", type=int, default=1000, help="stage-0 steps (0 = skip stage 0)")
     p.add_argument("--eval-every", type=int, default=50, help="steps between held-out accuracy checks")
     p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
     p.add_argument("--init", metavar="WEIGHTS",
