@@ -170,3 +170,14 @@ def test_tower_probe_bench_reads_every_target(tmp_path, lookm_cache):
     # Colour is linearly readable even from the seeded tower: above always guessing background.
     assert targets["colour"]["accuracy"] > targets["colour"]["majority"] + 0.05
     assert all(0 < r["patches"] and 0 <= r["accuracy"] <= 1 for r in targets.values())
+
+
+def test_train_command_refuses_bad_arguments_before_writing(tmp_path, capsys):
+    from lookm_jax import cli
+
+    out = tmp_path / "run"
+    for flag, value, message in (("--tower-lr-scale", "2", "--tower-lr-scale must be in [0, 1], got 2.0"),
+                                 ("--pretrain-steps", "-1", "--pretrain-steps >= 0")):
+        assert cli.main(["train", "vision", "--output", str(out), flag, value]) == 2
+        assert message in capsys.readouterr().err
+    assert not out.exists()

@@ -42,6 +42,8 @@ def cmd_vision(args) -> int:
     if args.multi_every < 0 or args.pretrain_steps < 0 or args.batch_size < 1:
         raise ValueError(f"need --multi-every >= 0, --pretrain-steps >= 0 and --batch-size >= 1, got "
                          f"{args.multi_every}, {args.pretrain_steps}, {args.batch_size}")
+    if not 0 <= args.tower_lr_scale <= 1:
+        raise ValueError(f"--tower-lr-scale must be in [0, 1], got {args.tower_lr_scale}")
     defaults = vision.TrainConfig()
     config = vision.TrainConfig(
         steps=args.steps, learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
