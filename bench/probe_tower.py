@@ -32,32 +32,30 @@ def main() -> None:
     import numpy as np
     import optax
 
-    from lookm_jax import loading, scenes
-    from lookm_jax.models import clip
+    from lookm_jax import loading
     from lookm_jax.train import tower
     from lookm_jax.train.data import Encoder
 
     model = loading.demo_model(vision="init")
     cfg = model.config.vision
     weights = model.params["vision"] if args.init else loading.read_demo_vision(args.weights or loading.DEMO_VISION_WEIGHTS)["vision"]
-    encoder = Encoder.of(model)
-    features_of = jax.jit(lambda pixels: clip.hidden_states(cfg, weights, pixels, depth=cfg.num_layers)[-1][:, 1:])
+    features_of = jax.jit(lambda pixels: tower.patch_features(cfg, weights, pixels))
+    preprocess = Encoder.of(model).pixels
 
     def split(name: str, n: int, first: int) -> tuple[np.ndarray, dict]:
         """-> patch features [n * P, Hv], labels {target: [n * P]}."""
-        samples = [scenes.single_picture_sample(name, 0, first + i) for i in range(n)]
-        pixels = encoder.pixels([scenes.render(s.scene, cfg.image_size) for s in samples])
+        data = tower.labelled_scenes(cfg, preprocess, name, 0, first, n)
+        pixels = data.pop("pixels")
         features = np.concatenate([np.asarray(features_of(jnp.asarray(pixels[i:i + 128]))) for i in range(0, n, 128)])
-        labels = [tower.patch_labels(s.scene, cfg.image_size, cfg.patch_size) for s in samples]
-        return features.reshape(-1, features.shape[-1]), {t: np.concatenate([l[t] for l in labels]) for t in tower.TARGETS}
+        return features.reshape(-1, features.shape[-1]), {t: labels.reshape(-1) for t, labels in data.items()}
 
-    x_train, y_train = split("train", args.train, 10**7)  # the stage-0 training stream
+    x_train, y_train = split("train", args.train, tower.TRAIN_FIRST_INDEX)  # the stage-0 training stream
     x_test, y_test = split("heldout", args.heldout, 0)
     mean, std = x_train.mean(0), x_train.std(0) + 1e-6
     x_train, x_test = (x_train - mean) / std, (x_test - mean) / std
     results = {}
     for target, (classes, over, _) in tower.TARGETS.items():
-        covered = (y_train["colour"] > 0) if over == "object" else np.ones(len(x_train), bool)
+        covered = tower.covered_patches(y_train["colour"], over)
         x, y = jnp.asarray(x_train[covered]), jnp.asarray(y_train[target][covered])
         probe = {"w": jnp.zeros((x.shape[1], classes)), "b": jnp.zeros(classes)}
         opt = optax.adam(1e-2)
@@ -71,7 +69,7 @@ def main() -> None:
         state = opt.init(probe)
         for _ in range(500):
             probe, state = update(probe, state)
-        test = (y_test["colour"] > 0) if over == "object" else np.ones(len(x_test), bool)
+        test = tower.covered_patches(y_test["colour"], over)
         predicted = np.asarray(jnp.asarray(x_test[test]) @ probe["w"] + probe["b"]).argmax(-1)
         truth = y_test[target][test]
         results[target] = {"accuracy": float((predicted == truth).mean()),

@@ -28,17 +28,11 @@ def ckpt(path):
 
 
 @pytest.fixture(scope="module")
-def hf_parsed(hf_smollm2_gguf):
-    """transformers' own GGUF loader (5.24 routes llama through this legacy one): config dict + tensors."""
-    return hf_smollm2_gguf
-
-
-@pytest.fixture(scope="module")
-def hf_config(hf_parsed):
+def hf_config(hf_smollm2_gguf):
     # Exactly what AutoConfig.from_pretrained(dir, gguf_file=name) builds for a llama GGUF in 5.24
     # (configuration_utils: load_gguf_checkpoint(...)["config"] -> from_dict); reused to save a 5 s re-read.
-    assert hf_parsed["config"]["model_type"] == "llama"
-    return LlamaConfig.from_dict(hf_parsed["config"])
+    assert hf_smollm2_gguf["config"]["model_type"] == "llama"
+    return LlamaConfig.from_dict(hf_smollm2_gguf["config"])
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +41,8 @@ def hf_tok(path):
 
 
 @pytest.mark.slow
-def test_tensors_equal_transformers_loader(ckpt, hf_parsed):
-    hf = hf_parsed["tensors"]
+def test_tensors_equal_transformers_loader(ckpt, hf_smollm2_gguf):
+    hf = hf_smollm2_gguf["tensors"]  # transformers 5.24 routes llama through this legacy loader
     assert set(ckpt.tensors) == set(hf)
     assert "lm_head.weight" not in ckpt.tensors  # tied: the file has no output.weight
     for name, ours in ckpt.tensors.items():

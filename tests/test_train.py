@@ -158,7 +158,7 @@ def test_multi_picture_batch_shapes(demo):
         dataclasses.replace(spec, length=100).make(encoder, "train", 0, 0, demo.config.pixel_shape[-1])
 
 
-def test_tower_probe_bench_reads_every_target(tmp_path, lookm_cache):
+def test_tower_probe_bench_reads_every_target(tmp_path):
     """bench/probe_tower.py on the seeded tower, a few scenes: one probe per stage-0 target."""
     out = tmp_path / "probe.json"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -75,14 +75,34 @@ def patch_labels(scene: scenes.Scene, size: int, patch: int) -> dict[str, np.nda
     return labels
 
 
-def dataset(cfg, config: PretrainConfig, preprocess: Callable[[list], np.ndarray]) -> dict[str, np.ndarray]:
-    """`config.dataset` training scenes: pixels [N, 3, S, S] (`preprocess`: PIL images -> pixel
-    values, the model's own processor) and every `TARGETS` label [N, P]."""
+TRAIN_FIRST_INDEX = 10**7  # stage 0 draws training scenes from here on, apart from stage 1's stream
+
+
+def labelled_scenes(cfg, preprocess: Callable[[list], np.ndarray], split: str, seed: int,
+                    first: int, n: int) -> dict[str, np.ndarray]:
+    """Scenes first .. first + n - 1 of a split: pixels [n, 3, S, S] (`preprocess`: PIL images ->
+    pixel values, the model's own processor) and every `TARGETS` label [n, P]."""
     size, patch = cfg.image_size, cfg.patch_size
-    samples = [scenes.single_picture_sample("train", config.seed, 10**7 + i) for i in range(config.dataset)]
+    samples = [scenes.single_picture_sample(split, seed, first + i) for i in range(n)]
     pixels = preprocess([scenes.render(s.scene, size) for s in samples])
     labels = [patch_labels(s.scene, size, patch) for s in samples]
     return {"pixels": pixels, **{name: np.stack([l[name] for l in labels]) for name in TARGETS}}
+
+
+def dataset(cfg, config: PretrainConfig, preprocess: Callable[[list], np.ndarray]) -> dict[str, np.ndarray]:
+    """Stage 0's `config.dataset` training scenes (`labelled_scenes`)."""
+    return labelled_scenes(cfg, preprocess, "train", config.seed, TRAIN_FIRST_INDEX, config.dataset)
+
+
+def covered_patches(colour: np.ndarray, over: str) -> np.ndarray:
+    """[..., P] bool from the colour labels: the patches a target's loss runs over (`TARGETS`), every
+    patch ("all") or those of an object ("object"). numpy or jax arrays."""
+    return colour > 0 if over == "object" else colour >= 0
+
+
+def patch_features(cfg, tower: dict, pixels: jax.Array) -> jax.Array:
+    """The last layer's patch features [N, P, Hv] (class token dropped): what the head and probes read."""
+    return clip.hidden_states(cfg, tower, pixels, depth=cfg.num_layers)[-1][:, 1:]
 
 
 def init_head(cfg, seed: int) -> dict:
@@ -95,14 +115,12 @@ def init_head(cfg, seed: int) -> dict:
 def patch_loss(cfg, tower: dict, head: dict, batch: dict) -> tuple[jax.Array, dict]:
     """(weighted sum of cross-entropies, {target: accuracy}) of every `TARGETS` label over its
     patches, from the last layer's patch features through the linear head."""
-    h = clip.hidden_states(cfg, tower, batch["pixels"], depth=cfg.num_layers)[-1][:, 1:]  # [N, P, Hv]
-    logits = h @ head["w"] + head["b"]  # [N, P, sum of classes]
-    on_object = (batch["colour"] > 0).astype(jnp.float32)
+    logits = patch_features(cfg, tower, batch["pixels"]) @ head["w"] + head["b"]  # [N, P, sum of classes]
     loss, accuracy, offset = 0.0, {}, 0
     for name, (classes, over, target_weight) in TARGETS.items():
         part, labels = logits[..., offset:offset + classes], batch[name]
         offset += classes
-        weight = on_object if over == "object" else jnp.ones_like(on_object)
+        weight = covered_patches(batch["colour"], over).astype(jnp.float32)
         total = jnp.maximum(weight.sum(), 1.0)
         loss += target_weight * (optax.softmax_cross_entropy_with_integer_labels(part, labels) * weight).sum() / total
         accuracy[name] = ((part.argmax(-1) == labels) * weight).sum() / total
