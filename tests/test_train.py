@@ -153,7 +153,17 @@ def test_multi_picture_batch_shapes(demo):
     chex.assert_shape(batch.pixel_values, (spec.batch_size * spec.pictures, *demo.config.pixel_shape))
     chex.assert_shape([batch.ids, batch.valid], (spec.batch_size, spec.length))
     chex.assert_shape([batch.targets, batch.target_mask, batch.answer_start], (spec.batch_size, spec.max_targets))
-    assert ((batch.ids == demo.config.image_token_id).sum(1) == spec.pictures * demo.config.image_seq_length).all()
+    counts = [spec.picture_count("train", 0, i) for i in range(spec.batch_size)]
+    np.testing.assert_array_equal((batch.ids == demo.config.image_token_id).sum(1),
+                                  np.asarray(counts) * demo.config.image_seq_length)
+    # The picture counts vary over [min_pictures, pictures]; the pictures padding the end are blank.
+    drawn = {spec.picture_count("train", 0, i) for i in range(64)}
+    assert min(drawn) == spec.min_pictures >= 2 and max(drawn) == spec.pictures
+    padding = batch.pixel_values[sum(counts):]
+    assert len(padding) == spec.batch_size * spec.pictures - sum(counts)
+    assert (padding == padding[..., :1, :1]).all()  # one value per channel: black, normalised
+    with pytest.raises(ValueError, match="min_pictures must be in"):
+        dataclasses.replace(spec, min_pictures=9)
     with pytest.raises(ValueError, match="does not fit the batch length"):
         dataclasses.replace(spec, length=100).make(encoder, "train", 0, 0, demo.config.pixel_shape[-1])
 

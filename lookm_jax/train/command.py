@@ -18,7 +18,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--warmup-steps", type=int, default=30, help="stage-1 linear warmup steps")
     p.add_argument("--batch-size", type=int, default=8, help="single-picture conversations per step")
     p.add_argument("--multi-every", type=int, default=4,
-                   help="every N-th step trains on 8-picture conversations instead (0 = never)")
+                   help="every N-th step trains on conversations over 2-8 pictures instead (0 = never)")
     p.add_argument("--tower-lr-scale", type=float, default=0.0,
                    help="stage-1 learning rate of the tower as a fraction of the projector's, in [0, 1] "
                         "(default 0: the tower keeps its stage-0 features, as in LLaVA's stage 1)")

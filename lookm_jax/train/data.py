@@ -11,6 +11,7 @@ import dataclasses
 from typing import Sequence
 
 import numpy as np
+from PIL import Image
 
 from lookm_jax import scenes
 from lookm_jax.convert.tokenizer import apply_chat_template
@@ -113,6 +114,20 @@ class BatchSpec:
     turns: int
     length: int
     max_targets: int
+    # Multi-picture samples draw their picture count from [min_pictures, pictures] (None: always
+    # `pictures`); pixel_values stay [batch_size * pictures, ...], blank pictures padding the end.
+    min_pictures: int | None = None
+
+    def __post_init__(self):
+        if self.min_pictures is not None and not 2 <= self.min_pictures <= self.pictures:
+            raise ValueError(f"min_pictures must be in [2, pictures={self.pictures}], got {self.min_pictures}")
+
+    def picture_count(self, split: str, seed: int, index: int) -> int:
+        """The number of pictures of multi-picture sample `index` (seeded by the sample)."""
+        if self.min_pictures is None:
+            return self.pictures
+        rng = scenes.split_rng(split, seed, 3 * 10**6 + index)  # apart from the samples' own streams
+        return int(rng.integers(self.min_pictures, self.pictures + 1))
 
     def make(self, encoder: Encoder, split: str, seed: int, first_index: int, image_size: int) -> Batch:
         """Samples first_index .. first_index + batch_size - 1 of a split, rendered and encoded."""
@@ -122,7 +137,11 @@ class BatchSpec:
             conversations = [single_picture_conversation(s) for s in samples]
             pictures = [scenes.render(s.scene, image_size) for s in samples]
         else:
-            multi = [scenes.multi_picture_sample(split, seed, i, self.pictures, self.turns) for i in indices]
+            multi = [scenes.multi_picture_sample(split, seed, i, self.picture_count(split, seed, i), self.turns)
+                     for i in indices]
             conversations = [multi_picture_conversation(s) for s in multi]
             pictures = [scenes.render(scene, image_size) for s in multi for scene in s.scenes]
+            # Features fill the placeholders in order (`llava.embed`), so trailing pictures are unused.
+            blank = Image.new("RGB", (image_size, image_size))
+            pictures += [blank] * (self.batch_size * self.pictures - len(pictures))
         return encoder.batch(conversations, pictures, self.length, self.max_targets)

@@ -41,7 +41,7 @@ class TrainConfig:
     clip_norm: float = 1.0
     seed: int = 0
     single: BatchSpec = BatchSpec(batch_size=8, pictures=1, turns=3, length=176, max_targets=12)
-    multi: BatchSpec | None = BatchSpec(batch_size=2, pictures=8, turns=3, length=672, max_targets=16)
+    multi: BatchSpec | None = BatchSpec(batch_size=2, pictures=8, turns=3, length=672, max_targets=16, min_pictures=2)
     multi_every: int = 3  # every multi_every-th step (1-based) uses the multi-picture batch
     eval_every: int = 50
     checkpoint_every: int = 25
