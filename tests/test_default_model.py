@@ -10,8 +10,11 @@ import threading
 import numpy as np
 import pytest
 
+from PIL import Image
+
 import lookm_jax
-from lookm_jax import cli, loading
+from lookm_jax import cli, loading, scenes
+from lookm_jax.cli_args import DEFAULT_IMAGES
 from lookm_jax.convert import store
 from lookm_jax.convert.gguf import smollm2_gguf_path
 from lookm_jax.models import llama
@@ -36,6 +39,14 @@ def test_demo_is_llava_shaped_with_trained_vision(demo):
     assert demo.config.image_token_id == demo.tokenizer.token_to_id("<image>")
     ids = demo.encode_chat("hi", num_images=2)
     assert (ids == demo.config.image_token_id).sum() == 2 * demo.config.image_seq_length
+
+
+def test_bundled_pictures_are_the_demo_scenes_rendered():
+    """The demo's PNGs are `scenes.DEMO_SCENES` drawn by `scenes.render`: what the pictures show is known."""
+    assert len(DEFAULT_IMAGES) == len(scenes.DEMO_SCENES)
+    for path, scene in zip(DEFAULT_IMAGES, scenes.DEMO_SCENES):
+        picture = Image.open(path).convert("RGB")
+        np.testing.assert_array_equal(np.asarray(picture), np.asarray(scenes.render(scene, picture.width)), path)
 
 
 def test_demo_text_answer_is_coherent(demo):

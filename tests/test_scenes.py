@@ -167,3 +167,36 @@ def test_merge_traffic_accounts_for_every_evicted_pair(tiny):
     assert -1 <= traffic["cosine_image_image"] <= 1
     with pytest.raises(ValueError, match="needs a merging LOOK-M"):
         analysis.merge_traffic(tiny, ids, pixels, np.ones(ids.shape, bool), get_method("lookm", budget=0.2, merge=None))
+
+
+def test_decoder_ceiling_bench_describes_scenes_and_scores_content(tmp_path):
+    """bench/decoder_ceiling.py: the words it gives the decoder are the scene's, its content scorer reads the
+    first answer-vocabulary word, and the script runs end to end on a few questions."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "bench"))
+    try:
+        import decoder_ceiling
+    finally:
+        sys.path.pop(0)
+    scene, question = bench.held_out_questions("heldout", 1)[0]
+    text = decoder_ceiling.describe(scene)
+    assert all(f"a {o.colour} {o.shape} at the " in text for o in scene.objects)
+    assert scenes.NUMBERS[len(scene.objects)] in text.split()[3]
+    colour_q = scenes.Question("colour", "What colour is the circle?", "red")
+    assert decoder_ceiling.content_answer("The circle is a red circle, not blue.", colour_q) == "red"
+    assert decoder_ceiling.content_answer("It is round.", colour_q) == ""
+    side_q = scenes.Question("position", "Is the red circle left or right?", "left")
+    assert decoder_ceiling.content_answer("The red circle is at the top, on the left.", side_q) == "left"
+
+    out = tmp_path / "ceiling.json"
+    proc = subprocess.run([sys.executable, "bench/decoder_ceiling.py", "--samples", "4", "--max-new-tokens", "4",
+                           "--json", str(out)], cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"plain", "one-word instruction"}
+    for by_rule in results.values():
+        assert set(by_rule["content"]) == {"all", *scenes.KINDS} and 0 <= by_rule["content"]["all"] <= 1
