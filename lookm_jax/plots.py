@@ -1,5 +1,6 @@
-"""`lookm plot sweep` (accuracy vs budget, the paper's Figure 5) and `lookm plot attention`
-(attention received per layer by text and image tokens, the paper's Figure 2).
+"""`lookm plot sweep` (accuracy vs budget, the paper's Figure 5), `lookm plot attention`
+(attention received per layer by text and image tokens, the paper's Figure 2) and `lookm plot
+training` (a `lookm train vision` log: loss and accuracy vs step).
 
 matplotlib and jax are imported inside the functions that use them (the commands select the Agg
 backend: no display needed).
@@ -19,6 +20,8 @@ DPI = 100
 SWEEP_PANEL_INCHES = (4.0, 3.6)  # one panel per prompt length
 SWEEP_LEGEND_INCHES = 3.4  # legend column to the right of the panels
 ATTENTION_INCHES = (11.0, 9.0)
+TRAINING_INCHES = (11.0, 4.0)
+TRAINING_SMOOTHING = 15  # steps in the running mean of the per-step curves
 
 
 def sweep_figsize(num_panels: int) -> tuple[float, float]:
@@ -137,6 +140,75 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def read_training_log(path: str) -> list[dict]:
+    """The stage-1 records of a `lookm train vision` log.jsonl (stage-0 records, keyed
+    "pretrain_step", are skipped). Raises ValueError naming the line that is not a record."""
+    import json
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no training log at {path}")
+    rows = []
+    with open(path) as f:
+        for line, text in enumerate(f, start=1):
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}, line {line}: not JSON ({err})") from None
+            if "pretrain_step" in record:
+                continue
+            if not {"step", "loss", "accuracy", "pictures"} <= set(record):
+                raise ValueError(f"{path}, line {line}: a stage-1 record has step, loss, accuracy and pictures")
+            rows.append(record)
+    if not rows:
+        raise ValueError(f"{path}: no stage-1 records")
+    return rows
+
+
+def draw_training(rows: list[dict], title: str):
+    """Loss (left) and first-answer-token accuracy (right) vs step: running means of the training
+    batches, single- and multi-picture apart, and the periodic held-out evaluations as markers."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=TRAINING_INCHES, dpi=DPI, layout="constrained")
+    loss_ax, acc_ax = fig.subplots(1, 2)
+    for pictures in sorted({r["pictures"] for r in rows}):
+        batch = [r for r in rows if r["pictures"] == pictures]
+        steps = np.asarray([r["step"] for r in batch])
+        width = min(TRAINING_SMOOTHING, len(batch))
+        label = "single picture" if pictures == 1 else f"up to {pictures} pictures"
+        for ax, key in ((loss_ax, "loss"), (acc_ax, "accuracy")):
+            smooth = np.convolve([r[key] for r in batch], np.ones(width) / width, mode="valid")
+            ax.plot(steps[width - 1:], smooth, label=f"train, {label} ({width}-batch mean)")
+    for key, label, marker in (("heldout_accuracy", "held-out", "o"), ("combination_accuracy", "held-out pair", "s")):
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        if points:
+            acc_ax.plot(*zip(*points), marker=marker, linestyle="--", label=f"{label} (teacher-forced)")
+    loss_ax.set_ylabel("answer-token cross-entropy")
+    acc_ax.set_ylabel("first answer token correct")
+    acc_ax.set_ylim(-0.03, 1.03)
+    for ax in (loss_ax, acc_ax):
+        ax.set_xlabel("stage-1 step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small")
+    fig.suptitle(title)
+    return fig
+
+
+def cmd_training(args) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    output = args.output or os.path.splitext(args.log)[0] + ".png"
+    _check_output(output)
+    rows = read_training_log(args.log)
+    _save_png(draw_training(rows, args.title or os.path.basename(args.log)), output)
+    evaluated = [r for r in rows if "heldout_accuracy" in r]
+    last = f"; last held-out {evaluated[-1]['heldout_accuracy']:.2f} at step {evaluated[-1]['step']}" if evaluated else ""
+    print(f"wrote {output}: steps {rows[0]['step']}-{rows[-1]['step']}{last}")
+    return 0
+
+
 def _spans(mask) -> list[tuple[int, int]]:
     """bool [L] -> [(start, end)] of its runs of True (end exclusive)."""
     spans, start = [], None
@@ -246,7 +318,7 @@ def cmd_attention(args) -> int:
 
 
 def add_parser(subparsers) -> None:
-    """Adds `sweep` and `attention` to the `lookm plot` command group."""
+    """Adds `sweep`, `attention` and `training` to the `lookm plot` command group."""
     s = subparsers.add_parser("sweep", help="accuracy (or fidelity) vs KV budget per method, one panel per length")
     s.add_argument("results", help=f"sweep CSV with the columns {','.join(SWEEP_COLUMNS)}")
     s.add_argument("--metric", choices=METRICS, default="accuracy", help="what the y axis shows")
@@ -256,3 +328,8 @@ def add_parser(subparsers) -> None:
     add_prompt_arguments(a)
     a.add_argument("--output", default="attention_by_modality.png", help="PNG file")
     a.set_defaults(func=cmd_attention)
+    t = subparsers.add_parser("training", help="loss and accuracy vs step of a `lookm train vision` log")
+    t.add_argument("log", help="the run's log.jsonl")
+    t.add_argument("--output", help="PNG file (default: LOG with .png)")
+    t.add_argument("--title", help="figure title (default: the log's file name)")
+    t.set_defaults(func=cmd_training)

@@ -9,14 +9,13 @@ import threading
 
 import numpy as np
 import pytest
-
 from PIL import Image
 
 import lookm_jax
-from lookm_jax import cli, loading, scenes
-from lookm_jax.cli_args import DEFAULT_IMAGES
+from lookm_jax import cli, cli_args, loading, scenes
 from lookm_jax.convert import store
 from lookm_jax.convert.gguf import smollm2_gguf_path
+from lookm_jax.eval.scenes import first_word
 from lookm_jax.models import llama
 
 
@@ -43,8 +42,8 @@ def test_demo_is_llava_shaped_with_trained_vision(demo):
 
 def test_bundled_pictures_are_the_demo_scenes_rendered():
     """The demo's PNGs are `scenes.DEMO_SCENES` drawn by `scenes.render`: what the pictures show is known."""
-    assert len(DEFAULT_IMAGES) == len(scenes.DEMO_SCENES)
-    for path, scene in zip(DEFAULT_IMAGES, scenes.DEMO_SCENES):
+    assert len(cli_args.DEFAULT_IMAGES) == len(scenes.DEMO_SCENES)
+    for path, scene in zip(cli_args.DEFAULT_IMAGES, scenes.DEMO_SCENES):
         picture = Image.open(path).convert("RGB")
         np.testing.assert_array_equal(np.asarray(picture), np.asarray(scenes.render(scene, picture.width)), path)
 
@@ -96,12 +95,17 @@ def test_concurrent_demo_builds_leave_one_complete_copy(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_main_job_runs_offline(capsys):
+def test_main_job_runs_offline_and_answers_from_the_pictures(capsys):
     assert cli.main(["generate", "--max-new-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert loading.DEMO_VISION_NOTE in out and "answer:" in out and "with 2 image(s)" in out
     assert "(128 image," in out and "ms/token" in out and "KV cache:" in out
     assert re.search(r"kept prompt \+ 4 new-token slots, of \d+ bucket \+ 4 new-token slots", out)
+    # The default question asks the colour of the shape in picture 2: the answer names it.
+    assert cli_args.DEFAULT_PROMPT.endswith("What colour is the shape in picture 2?")
+    (shape,) = scenes.DEMO_SCENES[1].objects
+    answer = re.search(r"^answer: (.*)$", out, re.MULTILINE).group(1)
+    assert first_word(answer) == shape.colour, answer
 
 
 def test_cli_reports_a_clear_error(capsys):

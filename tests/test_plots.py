@@ -1,4 +1,4 @@
-"""`lookm plot sweep` / `lookm plot attention` and the per-layer attention they draw from."""
+"""`lookm plot sweep` / `lookm plot attention` / `lookm plot training` and the per-layer attention they draw from."""
 
 from __future__ import annotations
 
@@ -145,3 +145,43 @@ def test_plot_attention_on_the_demo_model(tmp_path, capsys):
     assert len(shares) == 30
     for image, text, first in ((float(c) for c in row[1:4]) for row in shares):
         assert image + text + first == pytest.approx(1.0, abs=2e-3)  # 3 decimals each
+
+
+def _training_log(path, rng, steps: int = 40) -> None:
+    """A `lookm train vision` log: two stage-0 records, then stage-1 steps (every 4th multi-picture),
+    held-out evaluations every 10 steps."""
+    import json
+
+    records = [{"pretrain_step": s, "loss": 1.0, "shape_accuracy": 0.5} for s in (1, 2)]
+    for step in range(1, steps + 1):
+        record = {"step": step, "loss": float(rng.uniform(0.2, 2)), "accuracy": float(rng.uniform()),
+                  "image_norm": 0.5, "pictures": 8 if step % 4 == 0 else 1, "seconds": step * 10.0}
+        if step % 10 == 0:
+            record.update(heldout_accuracy=step / 100, combination_accuracy=0.1)
+        records.append(record)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_plot_training_writes_a_png_and_reports_the_last_evaluation(tmp_path, rng, capsys):
+    log = tmp_path / "log.jsonl"
+    _training_log(log, rng)
+    rows = plots.read_training_log(str(log))
+    assert [r["step"] for r in rows] == list(range(1, 41))  # stage-0 records skipped
+    assert cli.main(["plot", "training", str(log)]) == 0
+    width, height = plots.TRAINING_INCHES
+    assert png_size(tmp_path / "log.png") == (round(width * plots.DPI), round(height * plots.DPI))
+    assert "steps 1-40; last held-out 0.40 at step 40" in capsys.readouterr().out
+
+
+def test_plot_training_refuses_a_bad_log_and_writes_nothing(tmp_path, rng, capsys):
+    log = tmp_path / "log.jsonl"
+    _training_log(log, rng)
+    log.write_text(log.read_text() + '{"step": 41, "loss": 0.3}\n')
+    assert cli.main(["plot", "training", str(log), "--output", str(tmp_path / "out.png")]) == 2
+    assert "line 43: a stage-1 record has step, loss, accuracy and pictures" in capsys.readouterr().err
+    log.write_text("not json\n")
+    assert cli.main(["plot", "training", str(log), "--output", str(tmp_path / "out.png")]) == 2
+    assert "line 1: not JSON" in capsys.readouterr().err
+    assert cli.main(["plot", "training", str(tmp_path / "none.jsonl")]) == 2
+    assert "no training log at" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl"]

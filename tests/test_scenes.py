@@ -131,13 +131,13 @@ def test_report_only_without_rows_is_refused(tmp_path, capsys):
 def test_shipped_tower_beats_chance_on_held_out_questions(demo):
     """60 held-out single-picture questions (15 per kind), greedy, full cache, against answering
     uniformly at random among each kind's answers. The issue's bar (>= 90%) is NOT met by the
-    shipped weights (60%: colour 60%, shape 53%, count 67%, position 60%; docs/RESULTS.md): this
+    shipped weights (77%: colour 87%, shape 60%, count 80%, position 80%; docs/RESULTS.md): this
     guards what they do see, overall and in every kind."""
     result = bench.single_picture_accuracy(demo, "heldout", 60)
     options = {"colour": len(scenes.COLOURS), "shape": len(scenes.SHAPES), "count": scenes.MAX_OBJECTS, "position": 2}
     chance = sum(1 / options[k] for k in result["by_kind"]) / len(result["by_kind"])
     print(f"held-out {result['accuracy']:.2f} {result['by_kind']} (chance {chance:.2f})")
-    assert result["accuracy"] >= chance + 0.20, result
+    assert result["accuracy"] >= chance + 0.30, result
     assert all(result["by_kind"][k] > 1 / options[k] for k in options), result
 
 
