@@ -61,7 +61,7 @@ class Scene:
 
 @dataclasses.dataclass(frozen=True)
 class Question:
-    kind: str  # one of KINDS (or MULTI_KINDS)
+    kind: str  # one of KINDS, MULTI_KINDS or "text_fact"
     text: str
     answer: str  # one lower-case word
     subject: int | None = None  # the object (or picture) index the question names or reveals
@@ -254,17 +254,30 @@ MULTI_TEMPLATES = {
     "count_pictures": ("How many pictures show a {shape}?", "In how many pictures is there a {shape}?"),
 }
 MULTI_KINDS = tuple(MULTI_TEMPLATES)
+# A text fact: one sentence between the pictures of a training conversation, and a question about it,
+# so that stage 1 also asks about text beside pictures (without them the projected image tokens came
+# to override any question: the needle among pictures was answered with a count word). Worded apart
+# from the needle benchmark's "special magic number" sentence.
+FACT_SUBJECTS = ("otter", "heron", "badger", "falcon", "lynx", "marten", "osprey", "walrus", "gecko", "ibis")
+FACT_SENTENCE = "The code of the {subject} is {number}."
+FACT_QUESTIONS = ("What is the code of the {subject}?", "Which code does the {subject} have?")
 
 
 @dataclasses.dataclass(frozen=True)
 class MultiSample:
     scenes: tuple[Scene, ...]  # one object each; "picture k" is scenes[k - 1]
     questions: tuple[Question, ...]
+    fact: tuple[int, str] | None = None  # (k, sentence): the sentence follows picture k (1-based)
 
     def prompt(self, question: Question) -> str:
-        """MileBench-style: a "Picture k:" marker before each picture, the question last."""
-        pictures = "".join(f"Picture {k}: <image>\n" for k in range(1, len(self.scenes) + 1))
-        return pictures + question.text
+        """MileBench-style: a "Picture k:" marker before each picture (the fact's sentence after its
+        picture), the question last."""
+        lines = []
+        for k in range(1, len(self.scenes) + 1):
+            lines.append(f"Picture {k}: <image>\n")
+            if self.fact is not None and self.fact[0] == k:
+                lines.append(self.fact[1] + "\n")
+        return "".join(lines) + question.text
 
 
 def multi_question(scenes: tuple[Scene, ...], rng: np.random.Generator, kind: str,
@@ -295,10 +308,12 @@ def multi_question(scenes: tuple[Scene, ...], rng: np.random.Generator, kind: st
 
 
 def multi_picture_sample(split: str, seed: int, index: int, pictures: int, turns: int = 1,
-                         kinds: tuple[str, ...] = MULTI_KINDS) -> MultiSample:
+                         kinds: tuple[str, ...] = MULTI_KINDS, text_fact: bool = False) -> MultiSample:
     """Set `index` of `pictures` one-object scenes, with up to `turns` questions across them that do
     not answer each other: each picture is the subject of at most one question, and no question
-    is asked twice."""
+    is asked twice. With `text_fact`, one of the turns (at a random place) asks instead about a
+    sentence after a random picture (`FACT_SENTENCE`); the pictures and the other questions are
+    those of the same sample without it."""
     if not 1 <= pictures < len(NUMBERS):
         raise ValueError(f"pictures must be in [1, {len(NUMBERS) - 1}], got {pictures}")
     rng = split_rng(split, seed, 10**6 + index)  # apart from the single-picture samples' streams
@@ -314,7 +329,16 @@ def multi_picture_sample(split: str, seed: int, index: int, pictures: int, turns
             if q is not None and all(q.text != p.text for p in qs):
                 qs.append(q)
         if qs:
-            return MultiSample(scenes, tuple(qs))
+            break
+    if not text_fact:
+        return MultiSample(scenes, tuple(qs))
+    subject = FACT_SUBJECTS[rng.integers(len(FACT_SUBJECTS))]
+    number = str(int(rng.integers(1000, 10000)))
+    question = FACT_QUESTIONS[rng.integers(len(FACT_QUESTIONS))].format(subject=subject)
+    qs = qs[:turns - 1]
+    qs.insert(int(rng.integers(len(qs) + 1)), Question("text_fact", question, number))
+    fact = (int(rng.integers(1, pictures + 1)), FACT_SENTENCE.format(subject=subject, number=number))
+    return MultiSample(scenes, tuple(qs), fact)
 
 
 # The demo's bundled pictures (lookm_jax/assets/scene_1.png, scene_2.png are these, rendered).

@@ -46,6 +46,23 @@ def test_answers_follow_the_drawn_objects():
         assert f"picture {q.subject + 1}" in q.text and q.answer == multi.scenes[q.subject].objects[0].colour
 
 
+def test_a_text_fact_turn_asks_about_its_sentence_and_leaves_the_rest_as_it_was():
+    for i in range(100):
+        plain = scenes.multi_picture_sample("train", 0, i, 5, 3)
+        sample = scenes.multi_picture_sample("train", 0, i, 5, 3, text_fact=True)
+        assert sample.scenes == plain.scenes and plain.fact is None
+        (fact_q,) = [q for q in sample.questions if q.kind == "text_fact"]
+        others = [q for q in sample.questions if q.kind != "text_fact"]
+        assert others == list(plain.questions[:2]) and len(sample.questions) <= 3
+        k, sentence = sample.fact
+        assert sentence.endswith(f" is {fact_q.answer}.") and fact_q.answer.isdigit() and len(fact_q.answer) == 4
+        subject = sentence.split()[4]  # "The code of the {subject} is {number}."
+        assert subject in fact_q.text and subject in scenes.FACT_SUBJECTS
+        prompt = sample.prompt(sample.questions[0])
+        assert f"Picture {k}: <image>\n{sentence}\n" in prompt and prompt.count("<image>") == 5
+    assert "magic" not in scenes.FACT_SENTENCE  # apart from the needle benchmark's wording
+
+
 def test_every_bench_sample_asks_its_task():
     """Pictures that cannot answer a task (e.g. no unique colour-shape pair) are redrawn."""
     for kind in scenes.MULTI_KINDS:

@@ -164,6 +164,14 @@ def test_multi_picture_batch_shapes(demo):
     assert (padding == padding[..., :1, :1]).all()  # one value per channel: black, normalised
     with pytest.raises(ValueError, match="min_pictures must be in"):
         dataclasses.replace(spec, min_pictures=9)
+    # With text facts every conversation still fits, and one answer in each is the fact's number.
+    facts = dataclasses.replace(spec, text_facts=True).make(encoder, "train", 0, 0, demo.config.pixel_shape[-1])
+    chex.assert_equal_shape([facts.ids, batch.ids])
+    for row in range(spec.batch_size):
+        fact_q = next(q for q in scenes.multi_picture_sample("train", 0, row, counts[row], spec.turns, text_fact=True)
+                      .questions if q.kind == "text_fact")
+        answers = demo.tokenizer.decode(facts.targets[row][facts.target_mask[row]].tolist(), skip_special_tokens=False)
+        assert fact_q.answer + "." in answers
     with pytest.raises(ValueError, match="does not fit the batch length"):
         dataclasses.replace(spec, length=100).make(encoder, "train", 0, 0, demo.config.pixel_shape[-1])
 
@@ -191,3 +199,18 @@ def test_train_command_refuses_bad_arguments_before_writing(tmp_path, capsys):
         assert cli.main(["train", "vision", "--output", str(out), flag, value]) == 2
         assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_train_command_flags_reach_the_config():
+    from lookm_jax import cli
+    from lookm_jax.train import command
+
+    def config(*flags):
+        return command.train_config(cli.build_parser().parse_args(["train", "vision", "--output", "run", *flags]))
+
+    plain = config()
+    assert not plain.multi.text_facts and plain.multi_every == 4 and plain.pretrain.steps == 1000
+    facts = config("--text-facts", "--multi-every", "2", "--init", "w.safetensors", "--tower-lr-scale", "0.5")
+    assert facts.multi.text_facts and facts.multi_every == 2 and facts.pretrain is None
+    assert facts.tower_learning_rate_scale == 0.5 and facts.multi.min_pictures == plain.multi.min_pictures
+    assert config("--multi-every", "0").multi is None

@@ -19,6 +19,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="single-picture conversations per step")
     p.add_argument("--multi-every", type=int, default=4,
                    help="every N-th step trains on conversations over 2-8 pictures instead (0 = never)")
+    p.add_argument("--text-facts", action="store_true",
+                   help="one turn of each multi-picture conversation asks about a sentence between the pictures "
+                        "instead (default off: the shipped weights were trained without)")
     p.add_argument("--tower-lr-scale", type=float, default=0.0,
                    help="stage-1 learning rate of the tower as a fraction of the projector's, in [0, 1] "
                         "(default 0: the tower keeps its stage-0 features, as in LLaVA's stage 1)")
@@ -33,10 +36,10 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=cmd_vision)
 
 
-def cmd_vision(args) -> int:
+def train_config(args):
+    """The parsed flags -> a `TrainConfig`; a bad value raises ValueError naming its flag."""
     import dataclasses
 
-    from lookm_jax import loading
     from lookm_jax.train import tower, vision
 
     if args.multi_every < 0 or args.pretrain_steps < 0 or args.batch_size < 1:
@@ -45,14 +48,24 @@ def cmd_vision(args) -> int:
     if not 0 <= args.tower_lr_scale <= 1:
         raise ValueError(f"--tower-lr-scale must be in [0, 1], got {args.tower_lr_scale}")
     defaults = vision.TrainConfig()
-    config = vision.TrainConfig(
+    return vision.TrainConfig(
         steps=args.steps, learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
         single=dataclasses.replace(defaults.single, batch_size=args.batch_size),
-        multi=defaults.multi if args.multi_every else None, multi_every=max(args.multi_every, 1),
+        multi=dataclasses.replace(defaults.multi, text_facts=args.text_facts) if args.multi_every else None,
+        multi_every=max(args.multi_every, 1),
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
         tower_learning_rate_scale=args.tower_lr_scale,
         pretrain=tower.PretrainConfig(steps=args.pretrain_steps, seed=args.seed)
         if args.pretrain_steps and not args.init else None)
+
+
+def cmd_vision(args) -> int:
+    import dataclasses
+
+    from lookm_jax import loading
+    from lookm_jax.train import vision
+
+    config = train_config(args)
     model = loading.demo_model(vision="init")
     start = None
     if args.init:

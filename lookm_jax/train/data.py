@@ -117,6 +117,7 @@ class BatchSpec:
     # Multi-picture samples draw their picture count from [min_pictures, pictures] (None: always
     # `pictures`); pixel_values stay [batch_size * pictures, ...], blank pictures padding the end.
     min_pictures: int | None = None
+    text_facts: bool = False  # multi-picture samples: one turn asks about a sentence (`scenes.FACT_SENTENCE`)
 
     def __post_init__(self):
         if self.min_pictures is not None and not 2 <= self.min_pictures <= self.pictures:
@@ -137,8 +138,8 @@ class BatchSpec:
             conversations = [single_picture_conversation(s) for s in samples]
             pictures = [scenes.render(s.scene, image_size) for s in samples]
         else:
-            multi = [scenes.multi_picture_sample(split, seed, i, self.picture_count(split, seed, i), self.turns)
-                     for i in indices]
+            multi = [scenes.multi_picture_sample(split, seed, i, self.picture_count(split, seed, i), self.turns,
+                                                 text_fact=self.text_facts) for i in indices]
             conversations = [multi_picture_conversation(s) for s in multi]
             pictures = [scenes.render(scene, image_size) for s in multi for scene in s.scenes]
             # Features fill the placeholders in order (`llava.embed`), so trailing pictures are unused.
