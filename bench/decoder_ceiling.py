@@ -2,11 +2,11 @@
 
     python bench/decoder_ceiling.py [--samples 60] [--json PATH]
 
-The held-out single-picture questions of `lookm eval scenes` (`scenes.held_out_questions`, 4 kinds
+The held-out single-picture questions of `lookm eval scenes` (`lookm_jax.eval.scenes.held_out_questions`, 4 kinds
 in turn), but the picture is replaced by an exact description in words ("The picture shows two
 shapes: a red circle at the top left, a blue square at the bottom right."), text only, greedy. Each
 question is asked plainly and with " Answer with one word." appended, and scored two ways: by the
-benchmark's first-word rule (`scenes.first_word`), and by content: the first word of the question's
+benchmark's first-word rule (`lookm_jax.eval.scenes.first_word`), and by content: the first word of the question's
 answer vocabulary (the colours, the shapes, the numbers, left/right or top/bottom) in the output.
 This bounds what the vision side can hope for if all it did was describe: the projector has to teach
 the answer format too, and the decoder's reading of a perfect description is itself imperfect.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 
 from lookm_jax import scenes
@@ -50,6 +51,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.samples < 1 or args.max_new_tokens < 1:
         parser.error(f"--samples and --max-new-tokens must be >= 1, got {args.samples}, {args.max_new_tokens}")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"--json {args.json}: its folder does not exist")
 
     import numpy as np
 

@@ -142,23 +142,34 @@ def cmd_sweep(args) -> int:
 
 def read_training_log(path: str) -> list[dict]:
     """The stage-1 records of a `lookm train vision` log.jsonl (stage-0 records, keyed
-    "pretrain_step", are skipped). Raises ValueError naming the line that is not a record."""
+    "pretrain_step", and a cut last line of a run still writing are skipped). Raises ValueError
+    naming the line that is not a record, FileNotFoundError when there is no file."""
     import json
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no training log at {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")  # the last item is "" unless the last line was cut
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file (a training log is JSON lines)") from None
     rows = []
-    with open(path) as f:
-        for line, text in enumerate(f, start=1):
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}, line {line}: not JSON ({err})") from None
-            if "pretrain_step" in record:
+    for line, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as err:
+            if line == len(lines):  # cut while being written
                 continue
-            if not {"step", "loss", "accuracy", "pictures"} <= set(record):
-                raise ValueError(f"{path}, line {line}: a stage-1 record has step, loss, accuracy and pictures")
-            rows.append(record)
+            raise ValueError(f"{path}, line {line}: not JSON ({err})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}, line {line}: a record is a JSON object, got {text.strip()[:40]!r}")
+        if "pretrain_step" in record:
+            continue
+        if not {"step", "loss", "accuracy", "pictures"} <= set(record):
+            raise ValueError(f"{path}, line {line}: a stage-1 record has step, loss, accuracy and pictures")
+        rows.append(record)
     if not rows:
         raise ValueError(f"{path}: no stage-1 records")
     return rows

@@ -67,7 +67,8 @@ def embed(cfg, params: dict, input_ids: jax.Array,
     """input_ids [B, L] (one placeholder per image feature) -> (x [B, L, H], is_image [B, L]).
 
     Features fill the placeholders in reading order (row-major over batch, then sequence), as HF does.
-    The caller checks that the placeholder count equals n_images * image_seq_length. A text-only
+    The caller checks that the placeholder count equals n_images * image_seq_length (training batches
+    may pad pixel_values with trailing pictures that fill no placeholder). A text-only
     (llama) config gives an all-False `is_image`.
     """
     if not is_multimodal(cfg):

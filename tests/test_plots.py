@@ -167,6 +167,8 @@ def test_plot_training_writes_a_png_and_reports_the_last_evaluation(tmp_path, rn
     _training_log(log, rng)
     rows = plots.read_training_log(str(log))
     assert [r["step"] for r in rows] == list(range(1, 41))  # stage-0 records skipped
+    log.write_text(log.read_text() + '{"step": 41, "lo')  # a run still writing its last line
+    assert len(plots.read_training_log(str(log))) == 40
     assert cli.main(["plot", "training", str(log)]) == 0
     width, height = plots.TRAINING_INCHES
     assert png_size(tmp_path / "log.png") == (round(width * plots.DPI), round(height * plots.DPI))
@@ -182,6 +184,12 @@ def test_plot_training_refuses_a_bad_log_and_writes_nothing(tmp_path, rng, capsy
     log.write_text("not json\n")
     assert cli.main(["plot", "training", str(log), "--output", str(tmp_path / "out.png")]) == 2
     assert "line 1: not JSON" in capsys.readouterr().err
+    log.write_text("3\n")
+    assert cli.main(["plot", "training", str(log), "--output", str(tmp_path / "out.png")]) == 2
+    assert "line 1: a record is a JSON object, got '3'" in capsys.readouterr().err
+    log.write_bytes(b"\xff\xfe\x00\n")
+    assert cli.main(["plot", "training", str(log), "--output", str(tmp_path / "out.png")]) == 2
+    assert "not a text file" in capsys.readouterr().err
     assert cli.main(["plot", "training", str(tmp_path / "none.jsonl")]) == 2
     assert "no training log at" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl"]

@@ -186,6 +186,7 @@ def test_merge_traffic_accounts_for_every_evicted_pair(tiny):
         analysis.merge_traffic(tiny, ids, pixels, np.ones(ids.shape, bool), get_method("lookm", budget=0.2, merge=None))
 
 
+@pytest.mark.slow
 def test_decoder_ceiling_bench_describes_scenes_and_scores_content(tmp_path):
     """bench/decoder_ceiling.py: the words it gives the decoder are the scene's, its content scorer reads the
     first answer-vocabulary word, and the script runs end to end on a few questions."""
@@ -213,6 +214,9 @@ def test_decoder_ceiling_bench_describes_scenes_and_scores_content(tmp_path):
     proc = subprocess.run([sys.executable, "bench/decoder_ceiling.py", "--samples", "4", "--max-new-tokens", "4",
                            "--json", str(out)], cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    bad = subprocess.run([sys.executable, "bench/decoder_ceiling.py", "--json", str(tmp_path / "none" / "x.json")],
+                         cwd=root, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "its folder does not exist" in bad.stderr
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"plain", "one-word instruction"}
     for by_rule in results.values():

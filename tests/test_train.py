@@ -160,7 +160,7 @@ def test_multi_picture_batch_shapes(demo):
     drawn = {spec.picture_count("train", 0, i) for i in range(64)}
     assert min(drawn) == spec.min_pictures >= 2 and max(drawn) == spec.pictures
     padding = batch.pixel_values[sum(counts):]
-    assert len(padding) == spec.batch_size * spec.pictures - sum(counts)
+    assert len(padding) == spec.batch_size * spec.pictures - sum(counts) > 0
     assert (padding == padding[..., :1, :1]).all()  # one value per channel: black, normalised
     with pytest.raises(ValueError, match="min_pictures must be in"):
         dataclasses.replace(spec, min_pictures=9)
@@ -174,6 +174,17 @@ def test_multi_picture_batch_shapes(demo):
         assert fact_q.answer + "." in answers
     with pytest.raises(ValueError, match="does not fit the batch length"):
         dataclasses.replace(spec, length=100).make(encoder, "train", 0, 0, demo.config.pixel_shape[-1])
+
+
+def test_every_multi_picture_conversation_fits_its_static_batch(demo):
+    """The longest case, 8 pictures with a text fact, over 300 samples: within `length` and
+    `max_targets` (a sample that did not fit would stop a run hours in)."""
+    encoder, spec = data.Encoder.of(demo), vision.TrainConfig().multi
+    for i in range(300):
+        for text_fact in (False, True):
+            sample = scenes.multi_picture_sample("train", 0, i, spec.pictures, spec.turns, text_fact=text_fact)
+            ids, role = encoder.conversation(data.multi_picture_conversation(sample))
+            assert len(ids) <= spec.length and sum(1 for t, r in enumerate(role) if r and t > 0) <= spec.max_targets
 
 
 def test_tower_probe_bench_reads_every_target(tmp_path):
@@ -214,3 +225,6 @@ def test_train_command_flags_reach_the_config():
     assert facts.multi.text_facts and facts.multi_every == 2 and facts.pretrain is None
     assert facts.tower_learning_rate_scale == 0.5 and facts.multi.min_pictures == plain.multi.min_pictures
     assert config("--multi-every", "0").multi is None
+    assert vision.TrainConfig().multi_every == plain.multi_every  # the library's default is the command's
+    with pytest.raises(ValueError, match="--text-facts needs multi-picture steps"):
+        config("--text-facts", "--multi-every", "0")

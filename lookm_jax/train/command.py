@@ -45,6 +45,8 @@ def train_config(args):
     if args.multi_every < 0 or args.pretrain_steps < 0 or args.batch_size < 1:
         raise ValueError(f"need --multi-every >= 0, --pretrain-steps >= 0 and --batch-size >= 1, got "
                          f"{args.multi_every}, {args.pretrain_steps}, {args.batch_size}")
+    if args.text_facts and not args.multi_every:
+        raise ValueError("--text-facts needs multi-picture steps: --multi-every must be >= 1, got 0")
     if not 0 <= args.tower_lr_scale <= 1:
         raise ValueError(f"--tower-lr-scale must be in [0, 1], got {args.tower_lr_scale}")
     defaults = vision.TrainConfig()

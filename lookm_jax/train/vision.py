@@ -42,7 +42,7 @@ class TrainConfig:
     seed: int = 0
     single: BatchSpec = BatchSpec(batch_size=8, pictures=1, turns=3, length=176, max_targets=12)
     multi: BatchSpec | None = BatchSpec(batch_size=2, pictures=8, turns=3, length=672, max_targets=16, min_pictures=2)
-    multi_every: int = 3  # every multi_every-th step (1-based) uses the multi-picture batch
+    multi_every: int = 4  # every multi_every-th step (1-based) uses the multi-picture batch
     eval_every: int = 50
     checkpoint_every: int = 25
     eval_samples: int = 32  # held-out single-picture questions (and as many held-out-combination ones)
