@@ -57,7 +57,6 @@ def main() -> None:
     import numpy as np
 
     from lookm_jax import loading
-    from lookm_jax.eval import harness
     from lookm_jax.eval import scenes as scene_eval
 
     model = loading.demo_model()
@@ -66,10 +65,7 @@ def main() -> None:
     results = {}
     for name, suffix in (("plain", ""), ("one-word instruction", INSTRUCTION)):
         prompts = [describe(scene) + "\n" + q.text + suffix for scene, q in items]
-        outputs = []
-        for start in range(0, len(prompts), 12):
-            ids, mask = harness.encode_batch(model, prompts[start:start + 12])
-            outputs += [model.decode_text(t) for t in model.generate(ids, None, mask, max_new_tokens=args.max_new_tokens)]
+        outputs = scene_eval.ask(model, None, prompts, max_new_tokens=args.max_new_tokens)
         scores = {"first word": [scene_eval.first_word(o) == q.answer for (_, q), o in zip(items, outputs)],
                   "content": [content_answer(o, q) == q.answer for (_, q), o in zip(items, outputs)]}
         results[name] = {

@@ -140,14 +140,17 @@ def held_out_questions(split: str, n: int, seed: int = 0) -> list[tuple[scenes.S
     return out
 
 
-def ask(model, pictures: list, prompts: list[str], batch_size: int = 12, max_new_tokens: int = 6) -> list[str]:
-    """Greedy answers, full cache, to prompts with one picture each (prompts padded into batches)."""
-    size = model.config.pixel_shape[-1]
+def ask(model, pictures: list | None, prompts: list[str], batch_size: int = 12, max_new_tokens: int = 6) -> list[str]:
+    """Greedy answers, full cache, to prompts with one scene picture each, or text only when
+    `pictures` is None (prompts padded into batches)."""
     answers = []
     for start in range(0, len(prompts), batch_size):
         chunk = range(start, min(start + batch_size, len(prompts)))
-        ids, mask = harness.encode_batch(model, [prompts[i] for i in chunk], leading_images=1)
-        pixels, _ = model.preprocess_images([scenes.render(pictures[i], size) for i in chunk])
+        ids, mask = harness.encode_batch(model, [prompts[i] for i in chunk], leading_images=int(pictures is not None))
+        pixels = None
+        if pictures is not None:
+            size = model.config.pixel_shape[-1]
+            pixels, _ = model.preprocess_images([scenes.render(pictures[i], size) for i in chunk])
         tokens = model.generate(ids, pixels, mask, max_new_tokens=max_new_tokens)
         answers += [model.decode_text(t) for t in tokens]
     return answers
