@@ -9,7 +9,10 @@ interleaved across configurations; compile time is reported apart):
     20% and 5% budget, and the ratio to full; the bytes one decode step reads (decoder weights,
     the tied head included, + the whole static K/V cache: empty slots are masked, not skipped),
     the bound bytes / bandwidth with the memory read bandwidth measured in the same run, and how
-    close each measured step comes to its bound;
+    close each measured step comes to its bound; and, since XLA:CPU's batch-1 dots and cache
+    attention do not stream at that bandwidth, the kernel bound: every weight dot alone plus
+    every layer's cache attention alone over that cache (`decode_cpu.weight_dots_time`,
+    `decode_cpu.cache_attention_time`, timed in the same run), and each step's share of it;
   * prefill + compression time over plain prefill (full cache), also with the scores recomputed
     by the standalone scorer (``scoring.column_stats``) instead of taken from the prefill's own
     attention: the path before the two were fused;
@@ -33,7 +36,7 @@ import time
 
 import numpy as np
 
-from decode_cpu import WORDS, peak_rss_mib, read_bandwidth_gbs
+from decode_cpu import WORDS, cache_attention_time, peak_rss_mib, read_bandwidth_gbs, weight_dots_time
 
 IMAGE_FRACTION = 0.8
 MIB = 2**20
@@ -166,6 +169,9 @@ def main() -> None:
                "LOOK-M 20%, scores recomputed": recomputed_scores(lookm20)}
     timed = time_configs(model, ids, pixels, configs, args.new_tokens, args.repeats)
     bandwidth = read_bandwidth_gbs()
+    dots_ms = weight_dots_time(model)["dots_ms"]
+    for row in timed.values():
+        row["kernels"] = {"dots_ms": dots_ms, **cache_attention_time(model, row["cache_bytes"])}
     load_end = os.getloadavg()
 
     n_image = int((ids == model.config.image_token_id).sum())
@@ -184,19 +190,26 @@ def main() -> None:
     for name, row in timed.items():
         step_bytes = weight_bytes + row["cache_bytes"]
         bound = step_bytes / bandwidth / 1e6
+        kernel_bound = row["kernels"]["dots_ms"] + row["kernels"]["attention_ms"]
         rows.append({"cache": name, "kept": row["kept"], "kept_text": row["kept_text"], "cache_bytes": row["cache_bytes"],
                      "decode_ms": row["decode_ms"], "speed_up": full["decode_ms"] / row["decode_ms"],
                      "step_bytes": step_bytes, "bound_ms": bound, "bound_speed_up": bound_full / bound,
-                     "bound_fraction": bound / row["decode_ms"], "prefill_s": row["prefill_s"],
+                     "bound_fraction": bound / row["decode_ms"], "kernels": row["kernels"],
+                     "kernel_bound_ms": kernel_bound, "kernel_bound_fraction": kernel_bound / row["decode_ms"],
+                     "prefill_s": row["prefill_s"],
                      "prefill_vs_full": row["prefill_s"] / full["prefill_s"], "compile_s": row["compile_s"]})
     print(f"{'cache':<30} | {'kept/head':>9} | {'text kept':>9} | {'K/V MiB':>7} | {'decode ms/tok':>13} | "
           f"{'speed-up':>8} | {'read/step MiB':>13} | {'bound ms/tok':>12} | {'bound speed-up':>14} | "
-          f"{'% of bound':>10} | {'prefill s':>9} | {'vs full':>7} | {'compile s':>9}")
+          f"{'% of bound':>10} | {'kernel bound ms':>15} | {'% of kernel bound':>17} | {'prefill s':>9} | {'vs full':>7} | {'compile s':>9}")
     for r in rows:
         print(f"{r['cache']:<30} | {r['kept']:>9.0f} | {r['kept_text']:>9.0f} | {r['cache_bytes'] / MIB:>7.1f} | "
               f"{r['decode_ms']:>13.1f} | {r['speed_up']:>7.2f}x | {r['step_bytes'] / MIB:>13.0f} | "
               f"{r['bound_ms']:>12.1f} | {r['bound_speed_up']:>13.2f}x | {100 * r['bound_fraction']:>9.0f}% | "
+              f"{r['kernel_bound_ms']:>15.1f} | {100 * r['kernel_bound_fraction']:>16.0f}% | "
               f"{r['prefill_s']:>9.2f} | {r['prefill_vs_full']:>6.2f}x | {r['compile_s']:>9.1f}")
+    print(f"kernel bound = every weight dot alone ({dots_ms:.1f} ms) + every layer's cache attention alone over "
+          f"the cache, timed in the same run; the attention streams at "
+          + ", ".join(f"{r['kernels']['attention_gbs']:.1f}" for r in rows) + " GB/s")
     print("\npeak RSS of one LOOK-M 20% prefill + scoring + compression (fresh process each; "
           "counter reset after load and compile)")
     print(f"{'prompt':>6} | {'image':>5} | {'bucket':>6} | {'RSS before MiB':>14} | {'peak MiB':>8} | "
