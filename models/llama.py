@@ -33,7 +33,7 @@ ATTENTION_BLOCK = 256
 # The query blocks are split into this many groups, each attending to its own static key prefix
 # (its last query's causal span): the compiled program does not grow with L, and the masked
 # upper triangle costs (KEY_PREFIXES + 1) / KEY_PREFIXES of the causal work instead of twice it.
-KEY_PREFIXES = 4
+KEY_PREFIXES = 8
 _MASKED = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
 # Stored -> runtime layer weights: [in, out] matrices become [out, in]; vectors stay.
 _MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -93,9 +93,26 @@ def _mix_values(probs: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.einsum("bhqk,bhkd->bhqd", probs, v).reshape(b, hkv * g, lq, v.shape[-1])
 
 
+def _softmax_parts(q: jax.Array, k: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The softmax rows of ``attention_probs`` before their division: (exp(scores - row max)
+    [B, Hkv, G, Lq, Lk] fp32, the row sums [B, Hkv, G, Lq, 1])."""
+    scores = _masked_scores(q, k, mask)
+    weights = jnp.exp(scores - jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True)))
+    return weights, weights.sum(axis=-1, keepdims=True)
+
+
+def _normalised_mix(weights: jax.Array, total: jax.Array, v: jax.Array) -> jax.Array:
+    """Softmax attention's output from ``_softmax_parts``: the division is applied to the
+    [Lq, D] output instead of the [Lq, Lk] weights, one pass fewer over the largest array.
+    -> [B, Hq, Lq, D] in v's dtype."""
+    b, hkv, g, lq, _ = weights.shape
+    mixed = _mix_values(weights, v).astype(jnp.float32)
+    return (mixed / total.reshape(b, hkv * g, lq, 1)).astype(v.dtype)
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Softmax attention with GQA (``attention_probs``); q [B, Hq, Lq, D] -> [B, Hq, Lq, D]."""
-    return _mix_values(attention_probs(q, k, mask), v)
+    return _normalised_mix(*_softmax_parts(q, k, mask), v)
 
 
 def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array, k: jax.Array,
@@ -153,10 +170,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
         def step(stats, inputs, end=end, k_pre=k_pre, v_pre=v_pre, key_ok=key_ok):
             index, q_blk, ok = inputs  # q_blk [B, Hq, block, D], ok [B, block]
             causal = index * block + jnp.arange(block)[:, None] >= jnp.arange(end)[None, :]  # [block, end]
-            probs = attention_probs(q_blk, k_pre, causal & key_ok)  # [B, Hkv, G, block, end]
-            for name, col in column_stats_of_block(probs, ok, statistics).items():
-                stats[name] = stats[name].at[..., :end].add(col)
-            return stats, _mix_values(probs, v_pre)
+            weights, total = _softmax_parts(q_blk, k_pre, causal & key_ok)  # [B, Hkv, G, block, end | 1]
+            if statistics:
+                for name, col in column_stats_of_block(weights / total, ok, statistics).items():
+                    stats[name] = stats[name].at[..., :end].add(col)
+            return stats, _normalised_mix(weights, total, v_pre)
 
         stats, out = jax.lax.scan(step, stats, (jnp.arange(first, stop), q_blocks[first:stop], q_ok[first:stop]))
         outs.append(out)  # [stop - first, B, Hq, block, D]
