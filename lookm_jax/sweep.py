@@ -21,19 +21,26 @@ from lookm_jax.scoring import STATISTICS
 
 
 def generate_methods(model, input_ids, pixel_values=None, attention_mask=None, max_new_tokens: int = 32, *,
-                     methods: Sequence, max_decode_rows: int = 16,
-                     ignore_context_limit: bool = False) -> list[np.ndarray]:
+                     methods: Sequence, max_decode_rows: int = 16, ignore_context_limit: bool = False,
+                     after: np.ndarray | None = None) -> list[np.ndarray]:
     """Greedy new tokens [B, max_new_tokens] for each of `methods`, from ONE prefill of `model`.
 
     The same tokens as `model.generate(..., method=m)` for each m, at the cost of one prefill;
     methods of equal capacity decode together, up to `max_decode_rows` rows per `generate.decode`
     call (at least one method's B rows). Inputs are checked as `Model.run` checks them.
+
+    after: optional [B, A] int32 tokens (right-padded with -1, at least one per row) fed through the
+    compressed cache before generating, e.g. the rest of the turn with the question: the answer
+    then depends on the compressed cache alone, not on the prefill's last logits.
     """
     if not methods:
         raise InputError("generate_methods needs at least one method")
     if model.mesh is not None:
         raise InputError("generate_methods runs on one device; call it on the unsharded model")
-    prompt = inputs.prepare(model, input_ids, pixel_values, attention_mask, max_new_tokens, methods,
+    fed = 0 if after is None else after.shape[1]
+    if after is not None and not (after.shape[0] == np.shape(input_ids)[0] and np.all(after[:, 0] >= 0)):
+        raise InputError(f"after must be [B, A] with at least one token per row, got shape {after.shape}")
+    prompt = inputs.prepare(model, input_ids, pixel_values, attention_mask, fed + max_new_tokens, methods,
                             ignore_context_limit)
     batch, bucket = prompt.ids.shape
     key = jax.random.key(0)
@@ -51,12 +58,21 @@ def generate_methods(model, input_ids, pixel_values=None, attention_mask=None, m
     for indices in by_capacity.values():
         for start in range(0, len(indices), per_call):
             chunk = indices[start:start + per_call]
-            caches = [gen.compress_prefilled(prefilled, method=methods[i], max_new_tokens=max_new_tokens)
+            caches = [gen.compress_prefilled(prefilled, method=methods[i], max_new_tokens=fed + max_new_tokens)
                       for i in chunk]
-            first = jnp.tile(prefilled.first, len(chunk))
+            if after is None:
+                first, forced = jnp.tile(prefilled.first, len(chunk)), None
+            else:
+                first, forced = jnp.tile(after[:, 0], len(chunk)), jnp.tile(after[:, 1:], (len(chunk), 1))
             tokens, _, _ = gen.decode(text_config, model.params["text"], first, KVCache.concat_rows(caches),
-                                      key, max_new_tokens=max_new_tokens, sampling=sampling,
-                                      eos_ids=text_config.eos_token_ids)
+                                      key, max_new_tokens=fed + max_new_tokens, sampling=sampling,
+                                      eos_ids=text_config.eos_token_ids, forced=forced)
             for i, rows in zip(chunk, np.split(np.asarray(tokens), len(chunk))):
-                out[i] = rows
+                out[i] = rows if after is None else _answers(rows, after, max_new_tokens)
     return out
+
+
+def _answers(tokens: np.ndarray, after: np.ndarray, n: int) -> np.ndarray:
+    """tokens [B, A + n] that begin with each row's `after` tokens -> the n that follow them [B, n]."""
+    starts = (after >= 0).sum(1)
+    return np.stack([row[start:start + n] for row, start in zip(tokens, starts)])

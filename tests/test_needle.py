@@ -15,6 +15,7 @@ import pytest
 import lookm_jax
 from conftest import IMAGE_TOKEN, image_ids
 from lookm_jax import KVCache, generate as gen, get_method, sweep
+from lookm_jax.errors import InputError
 from lookm_jax.eval import harness, needle
 from lookm_jax.methods import Method
 from lookm_jax.scoring import STATISTICS
@@ -78,6 +79,29 @@ def test_one_prefill_gives_every_method_the_cache_and_tokens_of_run(tiny, ragged
         np.testing.assert_array_equal(shared.next_position, cache.next_position)
         # The budget really evicts: row 0 keeps floor(.2 * 59) * 2 = 22 of its 59 tokens.
         np.testing.assert_array_equal((shared.positions[:, 0] >= 0).sum(-1), 22)
+
+
+def test_tokens_fed_after_compression_continue_the_prompt(tiny, ragged_batch):
+    """Text tokens fed through the cache after compression (`after`, a different count per row)
+    answer as if they had ended the prompt: with the full cache, the same greedy tokens as
+    `Model.run` on the whole prompt."""
+    ids, pixels, mask = ragged_batch
+    lengths, fed = mask.sum(1), np.array([4, 3])  # text tokens only: the last picture ends before them
+    head_mask = np.arange(ids.shape[1])[None] < (lengths - fed)[:, None]
+    after = np.full((2, 5), -1, np.int32)
+    for r in range(2):
+        after[r, :fed[r]] = ids[r, lengths[r] - fed[r]:lengths[r]]
+    whole = tiny.run(ids, pixels, mask, NEW).tokens
+    full, lookm = sweep.generate_methods(tiny, np.where(head_mask, ids, 0), pixels, head_mask, NEW, after=after,
+                                         methods=[get_method("full"), get_method("lookm", budget=0.4)])
+    np.testing.assert_array_equal(full, whole)
+    chex.assert_shape(lookm, (2, NEW))
+    with pytest.raises(InputError, match="at least one token per row"):
+        sweep.generate_methods(tiny, ids, pixels, mask, NEW, after=np.full((2, 2), -1, np.int32),
+                               methods=[get_method("full")])
+    with pytest.raises(ValueError, match="must be fewer than max_new_tokens"):
+        gen.decode(tiny.text_config, tiny.params["text"], jnp.zeros(2, jnp.int32), None, jax.random.key(0),
+                   max_new_tokens=3, sampling=gen.Sampling(), eos_ids=(), forced=jnp.zeros((2, 3), jnp.int32))
 
 
 def test_compress_prefilled_refuses_what_the_prefill_did_not_keep(prefilled):

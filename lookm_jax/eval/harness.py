@@ -78,10 +78,13 @@ class Prompt:
     answer: str
     pixel_values: np.ndarray | None  # [num_images, 3, H, W], in marker order
     fields: dict = dataclasses.field(default_factory=dict)  # more columns of its rows (e.g. the depth)
+    # The end of the user turn (e.g. the question) asked after the cache is compressed: fed as
+    # forced decode tokens, so the answer depends on the compressed cache alone ("": none).
+    after: str = ""
 
 
 def row_key(row: dict, key_fields: Sequence[str]) -> tuple:
-    return tuple(row[f] for f in key_fields) + (row["label"], row["budget"])
+    return tuple(row.get(f) for f in key_fields) + (row["label"], row["budget"])  # a field rows predate: None
 
 
 def read_rows(path) -> list[dict]:
@@ -115,8 +118,30 @@ def encode_batch(model, texts: Sequence[str], leading_images: int = 0) -> tuple[
 def batch_inputs(model, batch: Sequence[Prompt]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """A batch of prompts -> (ids [B, L], mask [B, L], pixel_values of all their pictures in order or None)."""
     ids, mask = encode_batch(model, [p.text for p in batch])
-    pixels = None if batch[0].pixel_values is None else np.concatenate([p.pixel_values for p in batch])
-    return ids, mask, pixels
+    return ids, mask, _pixels(batch)
+
+
+def _pixels(batch: Sequence[Prompt]) -> np.ndarray | None:
+    return None if batch[0].pixel_values is None else np.concatenate([p.pixel_values for p in batch])
+
+
+def encode_asked_after(model, batch: Sequence[Prompt]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Prompts with an `after` part -> (ids [B, L] and mask [B, L] of each chat up to that part, the
+    rest of the chat [B, A] int32 right-padded with -1: the part, the end of the turn, the
+    assistant's header). The split is where the chat with and without `after` first differ in
+    tokens, so it never cuts a token of the chat as a whole."""
+    heads, tails = [], []
+    for p in batch:
+        whole, without = model.encode_chat(p.text + p.after)[0], model.encode_chat(p.text)[0]
+        n = next((i for i, (a, b) in enumerate(zip(whole, without)) if a != b), len(without))
+        heads.append(whole[:n])
+        tails.append(whole[n:])
+    ids = np.zeros((len(batch), max(map(len, heads))), np.int32)
+    mask = np.zeros(ids.shape, bool)
+    after = np.full((len(batch), max(map(len, tails))), -1, np.int32)
+    for r, (head, tail) in enumerate(zip(heads, tails)):
+        ids[r, :len(head)], mask[r, :len(head)], after[r, :len(tail)] = head, True, tail
+    return ids, mask, after
 
 
 def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Prompt]], jsonl_path: str,
@@ -144,9 +169,14 @@ def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Pr
         todo = {(c.label, c.budget, k) for c in configs for k in keys if k + (c.label, c.budget) not in done}
         if not todo:
             continue
-        ids, mask, pixels = batch_inputs(model, batch)
+        if any(p.after for p in batch):
+            if not all(p.after for p in batch):
+                raise ValueError("a batch's prompts must all ask after compression, or none")
+            (ids, mask, after), pixels = encode_asked_after(model, batch), _pixels(batch)
+        else:
+            (ids, mask, pixels), after = batch_inputs(model, batch), None
         outputs = sweep.generate_methods(model, ids, pixels, mask, max_new_tokens, methods=methods,
-                                         max_decode_rows=max_decode_rows)
+                                         max_decode_rows=max_decode_rows, after=after)
         reference = outputs[0]
         lines = []
         for config, tokens in zip(configs, outputs):

@@ -23,7 +23,10 @@ from lookm_jax import scenes
 from lookm_jax.eval import harness, needle
 
 TASKS = scenes.MULTI_KINDS + ("needle",)
-KEY_FIELDS = ("seed", "pictures", "task", "sample")
+KEY_FIELDS = ("seed", "pictures", "task", "asked", "sample")
+# Where a sample's question is: in the prompt (its first answer token then comes from the prefill's
+# logits, computed before compression) or after compression (fed through the compressed cache).
+ASKED = ("in prompt", "after compression")
 NEEDLE_IMAGE_FRACTION = 0.75
 _NEEDLE_STREAM = 2 * 10**6  # the needle task's pictures: apart from the multi-picture samples' streams
 
@@ -41,11 +44,17 @@ def is_correct(answer: str, output: str) -> bool:
     return needle.is_correct(answer, output) if answer.isdigit() else first_word(output) == answer
 
 
-def task_prompts(model, task: str, pictures: int, n: int, seed: int) -> list[harness.Prompt]:
-    """Samples 0 .. n-1 of `task` with `pictures` pictures each, from the bench split."""
+def task_prompts(model, task: str, pictures: int, n: int, seed: int, asked: str = ASKED[0]) -> list[harness.Prompt]:
+    """Samples 0 .. n-1 of `task` with `pictures` pictures each, from the bench split, the question
+    `asked` in the prompt or after compression (picture tasks only)."""
+    if asked not in ASKED:
+        raise ValueError(f"asked must be one of {ASKED}, got {asked!r}")
     size = model.config.pixel_shape[-1]
     out = []
     if task == "needle":
+        if asked != ASKED[0]:
+            raise ValueError("the needle task asks its question in the prompt; --ask-after-compression "
+                             f"applies to the picture tasks {scenes.MULTI_KINDS}")
         samples = _needle_samples(model, pictures, n, seed)
         if samples is None:
             least = next((p for p in range(pictures + 1, len(scenes.NUMBERS)) if _needle_samples(model, p, 1, seed)),
@@ -57,14 +66,19 @@ def task_prompts(model, task: str, pictures: int, n: int, seed: int) -> list[har
             drawn = [scenes.random_scene(scenes.split_rng("bench", seed, _NEEDLE_STREAM + i * pictures + k), "bench")
                      for k in range(s.num_images)]
             pixels, _ = model.preprocess_images([scenes.render(d, size) for d in drawn])
-            out.append(harness.Prompt(_key(seed, pictures, task, i), s.prompt, s.answer, pixels,
+            out.append(harness.Prompt(_key(seed, pictures, task, asked, i), s.prompt, s.answer, pixels,
                                       {"depth": s.depth}))
         return out
     for i in range(n):
         sample = scenes.multi_picture_sample("bench", seed, i, pictures, turns=1, kinds=(task,))
         question = sample.questions[0]
         pixels, _ = model.preprocess_images([scenes.render(s, size) for s in sample.scenes])
-        out.append(harness.Prompt(_key(seed, pictures, task, i), sample.prompt(question), question.answer, pixels))
+        text = sample.prompt(question)
+        if asked == ASKED[1]:  # the pictures (and markers) prefilled and compressed; the question after
+            out.append(harness.Prompt(_key(seed, pictures, task, asked, i), text.removesuffix(question.text),
+                                      question.answer, pixels, after=question.text))
+        else:
+            out.append(harness.Prompt(_key(seed, pictures, task, asked, i), text, question.answer, pixels))
     return out
 
 
@@ -79,27 +93,29 @@ def _needle_samples(model, pictures: int, n: int, seed: int) -> list | None:
         return None
 
 
-def _key(seed: int, pictures: int, task: str, sample: int) -> dict:
-    return {"seed": seed, "pictures": pictures, "task": task, "sample": sample}
+def _key(seed: int, pictures: int, task: str, asked: str, sample: int) -> dict:
+    return {"seed": seed, "pictures": pictures, "task": task, "asked": asked, "sample": sample}
 
 
 def run_benchmark(model, configs: list[harness.SweepConfig], tasks, pictures, n: int, seed: int, jsonl_path: str,
-                  *, batch_size: int = 4, max_new_tokens: int = 16, max_decode_rows: int = 16, log=print) -> list[dict]:
+                  *, batch_size: int = 4, max_new_tokens: int = 16, max_decode_rows: int = 16, asked: str = ASKED[0],
+                  log=print) -> list[dict]:
     """Every task at every picture count, n samples each, answered by every config; rows appended
     to `jsonl_path` and resumed (`harness.run_prompts`). Returns the rows of these settings."""
     batches = []
     for count in pictures:
         for task in tasks:
-            prompts = task_prompts(model, task, count, n, seed)
+            prompts = task_prompts(model, task, count, n, seed, asked)
             batches += [prompts[i:i + batch_size] for i in range(0, n, batch_size)]
     harness.run_prompts(model, configs, batches, jsonl_path, KEY_FIELDS, is_correct, max_new_tokens=max_new_tokens,
                         max_decode_rows=max_decode_rows, log=log)
-    return select_rows(harness.read_rows(jsonl_path), configs, tasks, pictures, n, seed)
+    return select_rows(harness.read_rows(jsonl_path), configs, tasks, pictures, n, seed, asked)
 
 
-def select_rows(rows: list[dict], configs, tasks, pictures, n: int, seed: int) -> list[dict]:
+def select_rows(rows: list[dict], configs, tasks, pictures, n: int, seed: int, asked: str = ASKED[0]) -> list[dict]:
     return harness.unique_rows(rows, KEY_FIELDS, configs, lambda r: (
-        r["seed"] == seed and r["task"] in tasks and r["pictures"] in pictures and r["sample"] < n))
+        r["seed"] == seed and r["task"] in tasks and r["pictures"] in pictures and r["sample"] < n
+        and r.get("asked", ASKED[0]) == asked))  # rows written before the field: in the prompt
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -190,6 +206,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-decode-rows", type=int, default=16, help="rows per shared decode call")
     p.add_argument("--jsonl", help="per-sample rows, appended and resumed (default: results/scenes/MODE.jsonl)")
     p.add_argument("--output", help="summary CSV in the `lookm plot sweep` format (default: docs/scenes_MODE.csv)")
+    p.add_argument("--ask-after-compression", action="store_true",
+                   help="picture tasks: prefill and compress the pictures, then feed the question through the "
+                        "compressed cache (default: the question is in the prompt, so the first answer token "
+                        "comes from the prefill, before compression)")
     p.add_argument("--report-only", action="store_true",
                    help="summarise the rows already in the JSONL (e.g. of an interrupted run); run nothing")
     p.set_defaults(func=cmd_scenes)
@@ -207,18 +227,23 @@ def cmd_scenes(args) -> int:
     bad = [p for p in args.pictures if not 2 <= p < len(scenes.NUMBERS)]
     if bad:
         raise ValueError(f"--pictures must each be in [2, {len(scenes.NUMBERS) - 1}], got {bad}")
+    asked = ASKED[1] if args.ask_after_compression else ASKED[0]
+    if args.ask_after_compression and "needle" in args.tasks:
+        raise ValueError(f"--ask-after-compression applies to the picture tasks {scenes.MULTI_KINDS}; drop needle "
+                         "from --tasks")
     configs = harness.sweep_configs(["full"] if args.mode == "calibrate" else (args.methods or METHODS), args.budgets)
     print(f"scenes {args.mode}: {len(configs)} configs x tasks {' '.join(args.tasks)} x pictures {args.pictures} x "
           f"{args.samples} samples, seed {args.seed}, load average {harness.load_average()}", flush=True)
     if args.report_only:
-        rows = select_rows(harness.read_rows(jsonl), configs, args.tasks, args.pictures, args.samples, args.seed)
+        rows = select_rows(harness.read_rows(jsonl), configs, args.tasks, args.pictures, args.samples, args.seed,
+                           asked)
         if not rows:
             raise ValueError(f"{jsonl} holds no rows for these settings")
     else:
         model = lookm_jax.load(args.model) if args.model else lookm_jax.load_default()
         rows = run_benchmark(model, configs, args.tasks, args.pictures, args.samples, args.seed, jsonl,
                              batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                             max_decode_rows=args.max_decode_rows, log=lambda s: print(s, flush=True))
+                             max_decode_rows=args.max_decode_rows, asked=asked, log=lambda s: print(s, flush=True))
     table = summarize(rows)
     harness.write_csv(output, table)
     print("accuracy per task\n" + format_tasks(rows))
