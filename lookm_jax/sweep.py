@@ -38,8 +38,10 @@ def generate_methods(model, input_ids, pixel_values=None, attention_mask=None, m
     if model.mesh is not None:
         raise InputError("generate_methods runs on one device; call it on the unsharded model")
     fed = 0 if after is None else after.shape[1]
-    if after is not None and not (after.shape[0] == np.shape(input_ids)[0] and np.all(after[:, 0] >= 0)):
-        raise InputError(f"after must be [B, A] with at least one token per row, got shape {after.shape}")
+    if after is not None and not (after.shape[0] == np.shape(input_ids)[0] and np.all(after[:, 0] >= 0)
+                                  and np.all(np.diff((after >= 0).astype(int), axis=1) <= 0)):
+        raise InputError(f"after must be [B, A] with at least one token per row, right-padded with -1; "
+                         f"got shape {after.shape}")
     prompt = inputs.prepare(model, input_ids, pixel_values, attention_mask, fed + max_new_tokens, methods,
                             ignore_context_limit)
     batch, bucket = prompt.ids.shape

@@ -86,11 +86,12 @@ def _masked_scores(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(mask, scores.reshape(b, hkv, hq // hkv, lq, lk), _MASKED)
 
 
-def _mix_values(probs: jax.Array, v: jax.Array) -> jax.Array:
-    """probs [B, Hkv, G, Lq, Lk], v [B, Hkv, Lk, D] -> [B, Hkv * G, Lq, D] in v's dtype."""
+def _mix_values(probs: jax.Array, v: jax.Array, out_dtype=None) -> jax.Array:
+    """probs [B, Hkv, G, Lq, Lk], v [B, Hkv, Lk, D] -> [B, Hkv * G, Lq, D] in out_dtype (v's by default)."""
     b, hkv, g, lq, lk = probs.shape
     probs = probs.astype(v.dtype).reshape(b, hkv, g * lq, lk)
-    return jnp.einsum("bhqk,bhkd->bhqd", probs, v).reshape(b, hkv * g, lq, v.shape[-1])
+    out = jnp.einsum("bhqk,bhkd->bhqd", probs, v, preferred_element_type=out_dtype)
+    return out.reshape(b, hkv * g, lq, v.shape[-1])
 
 
 def _softmax_parts(q: jax.Array, k: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -106,7 +107,7 @@ def _normalised_mix(weights: jax.Array, total: jax.Array, v: jax.Array) -> jax.A
     [Lq, D] output instead of the [Lq, Lk] weights, one pass fewer over the largest array.
     -> [B, Hq, Lq, D] in v's dtype."""
     b, hkv, g, lq, _ = weights.shape
-    mixed = _mix_values(weights, v).astype(jnp.float32)
+    mixed = _mix_values(weights, v, jnp.float32)  # one rounding to v's dtype, after the division
     return (mixed / total.reshape(b, hkv * g, lq, 1)).astype(v.dtype)
 
 

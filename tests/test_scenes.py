@@ -89,6 +89,18 @@ def test_every_task_prompt_is_mostly_image_tokens(demo):
                 assert "Picture 8: <image>" in prompt.text and prompt.answer == prompt.answer.lower()
 
 
+def test_rows_written_before_the_asked_field_count_as_asked_in_the_prompt():
+    """A JSONL from before `asked` existed resumes and summarises as questions in the prompt: its row
+    and a new one for the same sample are one sample, and neither is an after-compression row."""
+    old = {"seed": 0, "pictures": 3, "task": "picture_colour", "sample": 0, "label": "full", "budget": 1.0}
+    new = {**old, "asked": "in prompt"}
+    after = {**old, "asked": "after compression"}
+    configs = [harness.SweepConfig("full", 1.0)]
+    assert harness.row_key(old, bench.KEY_FIELDS, bench.KEY_DEFAULTS) == harness.row_key(new, bench.KEY_FIELDS)
+    assert bench.select_rows([old, new, after], configs, ["picture_colour"], [3], 1, 0) == [old]
+    assert bench.select_rows([old, new, after], configs, ["picture_colour"], [3], 1, 0, "after compression") == [after]
+
+
 def test_a_question_asked_after_compression_is_cut_from_the_whole_chat(demo):
     """The prefilled part ends where the question starts: prefilled + fed tokens = the whole chat."""
     for task in scenes.MULTI_KINDS:

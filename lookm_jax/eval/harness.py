@@ -83,8 +83,10 @@ class Prompt:
     after: str = ""
 
 
-def row_key(row: dict, key_fields: Sequence[str]) -> tuple:
-    return tuple(row.get(f) for f in key_fields) + (row["label"], row["budget"])  # a field rows predate: None
+def row_key(row: dict, key_fields: Sequence[str], defaults: dict | None = None) -> tuple:
+    """A row's identity; `defaults` give key fields that older rows lack (e.g. {"asked": "in prompt"})."""
+    defaults = defaults or {}
+    return tuple(row[f] if f in row else defaults[f] for f in key_fields) + (row["label"], row["budget"])
 
 
 def read_rows(path) -> list[dict]:
@@ -146,7 +148,7 @@ def encode_asked_after(model, batch: Sequence[Prompt]) -> tuple[np.ndarray, np.n
 
 def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Prompt]], jsonl_path: str,
                 key_fields: Sequence[str], is_correct: Callable[[str, str], bool], *, max_new_tokens: int,
-                max_decode_rows: int = 16, log=print) -> None:
+                max_decode_rows: int = 16, key_defaults: dict | None = None, log=print) -> None:
     """Answer every batch with every config, appending rows to `jsonl_path` batch by batch.
 
     Rows already in the file (same key fields, label and budget) are skipped, so a rerun resumes.
@@ -159,7 +161,7 @@ def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Pr
     if configs[0] != SweepConfig("full", 1.0):
         raise ValueError("configs must start with the full cache (fidelity's reference)")
     methods = [c.build() for c in configs]
-    done = {row_key(r, key_fields) for r in read_rows(jsonl_path)}
+    done = {row_key(r, key_fields, key_defaults) for r in read_rows(jsonl_path)}
     os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
     if os.path.exists(jsonl_path):
         _drop_cut_line(jsonl_path)
@@ -200,12 +202,12 @@ def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Pr
 
 
 def unique_rows(rows: list[dict], key_fields: Sequence[str], configs: list[SweepConfig],
-                keep: Callable[[dict], bool]) -> list[dict]:
+                keep: Callable[[dict], bool], key_defaults: dict | None = None) -> list[dict]:
     """One row per key (the last written; JSONLs may have been merged) of these configs, where `keep`."""
     wanted = {(c.label, c.budget) for c in configs}
-    unique = {row_key(r, key_fields): r for r in reversed(rows)}
-    return [r for r in rows if unique[row_key(r, key_fields)] is r and (r["label"], r["budget"]) in wanted
-            and keep(r)]
+    unique = {row_key(r, key_fields, key_defaults): r for r in reversed(rows)}
+    return [r for r in rows if unique[row_key(r, key_fields, key_defaults)] is r
+            and (r["label"], r["budget"]) in wanted and keep(r)]
 
 
 def summarize(rows: list[dict], length: Callable[[dict], int] = lambda r: r["length"]) -> list[dict]:

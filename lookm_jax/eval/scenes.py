@@ -27,6 +27,7 @@ KEY_FIELDS = ("seed", "pictures", "task", "asked", "sample")
 # Where a sample's question is: in the prompt (its first answer token then comes from the prefill's
 # logits, computed before compression) or after compression (fed through the compressed cache).
 ASKED = ("in prompt", "after compression")
+KEY_DEFAULTS = {"asked": ASKED[0]}  # rows written before the field asked in the prompt
 NEEDLE_IMAGE_FRACTION = 0.75
 _NEEDLE_STREAM = 2 * 10**6  # the needle task's pictures: apart from the multi-picture samples' streams
 
@@ -108,14 +109,14 @@ def run_benchmark(model, configs: list[harness.SweepConfig], tasks, pictures, n:
             prompts = task_prompts(model, task, count, n, seed, asked)
             batches += [prompts[i:i + batch_size] for i in range(0, n, batch_size)]
     harness.run_prompts(model, configs, batches, jsonl_path, KEY_FIELDS, is_correct, max_new_tokens=max_new_tokens,
-                        max_decode_rows=max_decode_rows, log=log)
+                        max_decode_rows=max_decode_rows, key_defaults=KEY_DEFAULTS, log=log)
     return select_rows(harness.read_rows(jsonl_path), configs, tasks, pictures, n, seed, asked)
 
 
 def select_rows(rows: list[dict], configs, tasks, pictures, n: int, seed: int, asked: str = ASKED[0]) -> list[dict]:
     return harness.unique_rows(rows, KEY_FIELDS, configs, lambda r: (
         r["seed"] == seed and r["task"] in tasks and r["pictures"] in pictures and r["sample"] < n
-        and r.get("asked", ASKED[0]) == asked))  # rows written before the field: in the prompt
+        and r.get("asked", KEY_DEFAULTS["asked"]) == asked), KEY_DEFAULTS)
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -205,7 +206,8 @@ def add_parser(subparsers) -> None:
                    help="greedy tokens per answer (the needle's sentence takes ~12)")
     p.add_argument("--max-decode-rows", type=int, default=16, help="rows per shared decode call")
     p.add_argument("--jsonl", help="per-sample rows, appended and resumed (default: results/scenes/MODE.jsonl)")
-    p.add_argument("--output", help="summary CSV in the `lookm plot sweep` format (default: docs/scenes_MODE.csv)")
+    p.add_argument("--output", help="summary CSV in the `lookm plot sweep` format (default: docs/scenes_MODE.csv, "
+                                    "docs/scenes_MODE_after.csv with --ask-after-compression)")
     p.add_argument("--ask-after-compression", action="store_true",
                    help="picture tasks: prefill and compress the pictures, then feed the question through the "
                         "compressed cache (default: the question is in the prompt, so the first answer token "
@@ -220,7 +222,8 @@ def cmd_scenes(args) -> int:
     from lookm_jax.methods import METHODS
 
     jsonl = args.jsonl or os.path.join("results", "scenes", f"{args.mode}.jsonl")
-    output = args.output or os.path.join("docs", f"scenes_{args.mode}.csv")
+    after = "_after" if args.ask_after_compression else ""
+    output = args.output or os.path.join("docs", f"scenes_{args.mode}{after}.csv")
     if args.samples < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise ValueError(f"need --samples, --batch-size and --max-new-tokens >= 1, got {args.samples}, "
                          f"{args.batch_size}, {args.max_new_tokens}")
