@@ -67,18 +67,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def attention_probs(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
-    """Softmax rows with GQA, logits accumulated and softmax taken in fp32.
-
-    q [B, Hq, Lq, D], k [B, Hkv, Lk, D], mask bool broadcastable to [B, Hkv, 1, Lq, Lk]
-    -> [B, Hkv, G, Lq, Lk] fp32, G = Hq // Hkv. A group's query heads are stacked along the query
-    axis, so each KV head is one plain matmul and no K repeat is materialised.
-    """
-    return jax.nn.softmax(_masked_scores(q, k, mask), axis=-1)
-
-
 def _masked_scores(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
-    """Scaled fp32 logits [B, Hkv, G, Lq, Lk] (see ``attention_probs``), masked entries _MASKED."""
+    """Scaled fp32 logits [B, Hkv, G, Lq, Lk] (see ``_softmax_parts``), masked entries _MASKED."""
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     qg = q.reshape(b, hkv, hq // hkv * lq, d)
@@ -95,8 +85,13 @@ def _mix_values(probs: jax.Array, v: jax.Array, out_dtype=None) -> jax.Array:
 
 
 def _softmax_parts(q: jax.Array, k: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The softmax rows of ``attention_probs`` before their division: (exp(scores - row max)
-    [B, Hkv, G, Lq, Lk] fp32, the row sums [B, Hkv, G, Lq, 1])."""
+    """Softmax rows with GQA before their division, logits accumulated in fp32.
+
+    q [B, Hq, Lq, D], k [B, Hkv, Lk, D], mask bool broadcastable to [B, Hkv, 1, Lq, Lk]
+    -> (exp(scores - row max) [B, Hkv, G, Lq, Lk] fp32, the row sums [B, Hkv, G, Lq, 1]),
+    G = Hq // Hkv. A group's query heads are stacked along the query axis, so each KV head is one
+    plain matmul and no K repeat is materialised. weights / sums are the softmax probabilities.
+    """
     scores = _masked_scores(q, k, mask)
     weights = jnp.exp(scores - jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True)))
     return weights, weights.sum(axis=-1, keepdims=True)
@@ -112,7 +107,7 @@ def _normalised_mix(weights: jax.Array, total: jax.Array, v: jax.Array) -> jax.A
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Softmax attention with GQA (``attention_probs``); q [B, Hq, Lq, D] -> [B, Hq, Lq, D]."""
+    """Softmax attention with GQA (``_softmax_parts``); q [B, Hq, Lq, D] -> [B, Hq, Lq, D]."""
     return _normalised_mix(*_softmax_parts(q, k, mask), v)
 
 

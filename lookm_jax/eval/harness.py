@@ -109,11 +109,15 @@ def _drop_cut_line(path: str) -> None:
 def encode_batch(model, texts: Sequence[str], leading_images: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """User turns (with inline "<image>" markers, after `leading_images` more) -> right-padded
     chat-templated ids [B, L] int32 and their mask [B, L] bool."""
-    encoded = [model.encode_chat(t, num_images=leading_images)[0] for t in texts]
-    ids = np.zeros((len(encoded), max(len(e) for e in encoded)), np.int32)
+    return _right_pad([model.encode_chat(t, num_images=leading_images)[0] for t in texts], 0)
+
+
+def _right_pad(rows: Sequence[np.ndarray], fill: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token rows of different lengths -> (int32 [B, longest] padded with `fill`, mask [B, longest])."""
+    ids = np.full((len(rows), max(len(r) for r in rows)), fill, np.int32)
     mask = np.zeros(ids.shape, bool)
-    for r, e in enumerate(encoded):
-        ids[r, :len(e)], mask[r, :len(e)] = e, True
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], mask[i, :len(r)] = r, True
     return ids, mask
 
 
@@ -138,12 +142,8 @@ def encode_asked_after(model, batch: Sequence[Prompt]) -> tuple[np.ndarray, np.n
         n = next((i for i, (a, b) in enumerate(zip(whole, without)) if a != b), len(without))
         heads.append(whole[:n])
         tails.append(whole[n:])
-    ids = np.zeros((len(batch), max(map(len, heads))), np.int32)
-    mask = np.zeros(ids.shape, bool)
-    after = np.full((len(batch), max(map(len, tails))), -1, np.int32)
-    for r, (head, tail) in enumerate(zip(heads, tails)):
-        ids[r, :len(head)], mask[r, :len(head)], after[r, :len(tail)] = head, True, tail
-    return ids, mask, after
+    ids, mask = _right_pad(heads, 0)
+    return ids, mask, _right_pad(tails, -1)[0]
 
 
 def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Prompt]], jsonl_path: str,

@@ -221,17 +221,16 @@ def cmd_scenes(args) -> int:
     import lookm_jax
     from lookm_jax.methods import METHODS
 
+    asked = ASKED[1] if args.ask_after_compression else ASKED[0]
     jsonl = args.jsonl or os.path.join("results", "scenes", f"{args.mode}.jsonl")
-    after = "_after" if args.ask_after_compression else ""
-    output = args.output or os.path.join("docs", f"scenes_{args.mode}{after}.csv")
+    output = args.output or os.path.join("docs", f"scenes_{args.mode}{'_after' if asked == ASKED[1] else ''}.csv")
     if args.samples < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise ValueError(f"need --samples, --batch-size and --max-new-tokens >= 1, got {args.samples}, "
                          f"{args.batch_size}, {args.max_new_tokens}")
     bad = [p for p in args.pictures if not 2 <= p < len(scenes.NUMBERS)]
     if bad:
         raise ValueError(f"--pictures must each be in [2, {len(scenes.NUMBERS) - 1}], got {bad}")
-    asked = ASKED[1] if args.ask_after_compression else ASKED[0]
-    if args.ask_after_compression and "needle" in args.tasks:
+    if asked == ASKED[1] and "needle" in args.tasks:
         raise ValueError(f"--ask-after-compression applies to the picture tasks {scenes.MULTI_KINDS}; drop needle "
                          "from --tasks")
     configs = harness.sweep_configs(["full"] if args.mode == "calibrate" else (args.methods or METHODS), args.budgets)
