@@ -15,6 +15,7 @@ Compile time depends on the machine's load; the ratio, measured in one process, 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 from lookm_jax import generate as gen, get_method
 from lookm_jax.convert.hf import parse_config
 from lookm_jax.convert.tables import llama_shapes
-from lookm_jax.models import llama
+from lookm_jax.models import llama, llava
 from lookm_jax.models.config import LlamaConfig, RopeConfig
 from sizes import CONFIGS, abstract_params, param_shapes
 
@@ -44,7 +45,8 @@ def model_shapes(name: str):
         cfg = parse_config(CONFIGS[name])
         shapes, dtype, images = param_shapes(cfg), jnp.bfloat16, 1
     params = abstract_params(shapes, dtype)
-    return cfg, {**params, "text": jax.eval_shape(llama.runtime_params, params["text"])}, dtype, images
+    runtime = functools.partial(llama.runtime_params, llava.text_config(cfg))
+    return cfg, {**params, "text": jax.eval_shape(runtime, params["text"])}, dtype, images
 
 
 def compiled_prefill(cfg, params, dtype, images: int, length: int, method):

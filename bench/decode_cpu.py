@@ -100,7 +100,8 @@ def weight_dots_time(model) -> dict:
         return y
 
     text = model.params["text"]
-    weights = [w for lp in text["layers"] for w in lp.values() if w.ndim == 2] + [text.get("lm_head", text["embed"])]
+    weights = [w.reshape(-1, w.shape[-1]) for lp in text["layers"] for w in lp.values() if w.ndim >= 2]  # [out, in]
+    weights.append(text.get("lm_head", text["embed"]))
     dots_ms = _best_ms(jax.jit(dots), weights)
     return {"dots_ms": dots_ms, "dots_gbs": sum(w.nbytes for w in weights) / dots_ms / 1e6}
 
@@ -116,7 +117,9 @@ def cache_attention_time(model, kv_bytes: int) -> dict:
     cfg, dtype = llava.text_config(model.config), model.params["text"]["embed"].dtype
     slots = kv_bytes // (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize)
     shape = (1, cfg.num_kv_heads, slots, cfg.head_dim)
-    cache = [jax.random.normal(jax.random.key(i), shape, dtype) for i in range(2 * cfg.num_layers)]
+    keys_shape = (1, cfg.num_kv_heads, cfg.head_dim, slots)  # the cache's key layout (lookm_jax.cache)
+    cache = [jax.random.normal(jax.random.key(i), shape if i % 2 else keys_shape, dtype)
+             for i in range(2 * cfg.num_layers)]
     own = jnp.ones((1, cfg.num_kv_heads, 1, cfg.head_dim), dtype)
     mask = jnp.ones(shape[:3], bool)
 

@@ -51,7 +51,7 @@ def random_params(cfg: LlavaConfig, dtype, seed: int = 0) -> dict:
 
     The decoder is built directly in the runtime layout (`llama.runtime_params`, weights [out, in])."""
     abstract = abstract_params(param_shapes(cfg), dtype)
-    abstract["text"] = jax.eval_shape(llama.runtime_params, abstract["text"])
+    abstract["text"] = jax.eval_shape(functools.partial(llama.runtime_params, cfg.text), abstract["text"])
     leaves, tree = jax.tree_util.tree_flatten_with_path(abstract)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
 

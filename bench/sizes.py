@@ -142,7 +142,7 @@ def main() -> None:
         shapes = param_shapes(cfg)
         counts = {part: sum(math.prod(s) for s in flat.values()) for part, flat in shapes.items()}
         params = abstract_params(shapes, dtype)
-        params["text"] = jax.eval_shape(llama.runtime_params, params["text"])  # the layout prefill reads
+        params["text"] = jax.eval_shape(functools.partial(llama.runtime_params, cfg.text), params["text"])  # the layout prefill reads
         caches = [decode_cache(cfg, params, args.prompt, args.new_tokens, method, dtype) for _, method in methods]
         full = nbytes(*caches[0].layer_keys, *caches[0].layer_values)
         t = cfg.text

@@ -5,6 +5,10 @@ over layers, reads and writes each layer's own buffers: nothing is sliced out of
 [N, ...] array, so no layer's K/V is copied on a decode step, and the jitted decode donates the
 cache, so XLA updates the buffers in place.
 
+Keys are stored [D, S] (slots minor), values [S, D]: a decode step's scores q . k contract D, and
+on XLA:CPU that batch-1 product streams 1.2-1.5x faster with the slots on the minor axis (30
+SmolLM2 layers, 576-4160 slots); the values' mix contracts S and is fastest as [S, D].
+
 Slots [0, cursor) hold the (possibly compressed) prompt; decode appends at `cursor`. A slot is valid
 iff its `positions` entry is >= 0, so padding, evicted and not-yet-written slots never get attended.
 Compression keeps different slots per layer and KV head, hence positions per [layer, row, head].
@@ -19,7 +23,7 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-    layer_keys: tuple[jax.Array, ...]  # N x [B, Hkv, S, D], RoPE-rotated at each token's original position
+    layer_keys: tuple[jax.Array, ...]  # N x [B, Hkv, D, S], RoPE-rotated at each token's original position
     layer_values: tuple[jax.Array, ...]  # N x [B, Hkv, S, D]
     layer_positions: tuple[jax.Array, ...]  # N x [B, Hkv, S] int32 original token position, -1 = empty slot
     cursor: jax.Array  # [] int32, next slot decode writes (shared by all rows)
@@ -31,17 +35,17 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.layer_keys[0].shape[2]
+        return self.layer_values[0].shape[2]
 
     @property
     def nbytes(self) -> int:
         """Bytes of keys and values (what decode reads each step)."""
         return sum(a.nbytes for a in self.layer_keys + self.layer_values)
 
-    # Stacked [N, ...] views, for inspection and tests (each call builds a new array).
+    # Stacked [N, B, Hkv, S(, D)] views, for inspection and tests (each call builds a new array).
     @property
     def keys(self) -> jax.Array:
-        return jnp.stack(self.layer_keys)
+        return jnp.stack(self.layer_keys).swapaxes(-1, -2)
 
     @property
     def values(self) -> jax.Array:
@@ -62,13 +66,14 @@ class KVCache:
         """
         slots = ((0, 0),) * 2 + ((0, max_new_tokens),)
         n = keys.shape[0]
-        return cls(layer_keys=tuple(jnp.pad(keys[i], slots + ((0, 0),)) for i in range(n)),
+        return cls(layer_keys=tuple(jnp.pad(keys[i], slots + ((0, 0),)).swapaxes(-1, -2) for i in range(n)),
                    layer_values=tuple(jnp.pad(values[i], slots + ((0, 0),)) for i in range(n)),
                    layer_positions=tuple(jnp.pad(positions[i], slots, constant_values=-1) for i in range(n)),
                    cursor=jnp.asarray(keys.shape[3], jnp.int32), next_position=next_position.astype(jnp.int32))
 
     def layer(self, index: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Layer `index` (static): keys, values [B, Hkv, S, D] and the valid-slot mask [B, Hkv, S]."""
+        """Layer `index` (static): keys [B, Hkv, D, S], values [B, Hkv, S, D] and the valid-slot mask
+        [B, Hkv, S]."""
         return self.layer_keys[index], self.layer_values[index], self.layer_positions[index] >= 0
 
     def append(self, index: int, k: jax.Array, v: jax.Array, after: jax.Array) -> "KVCache":
@@ -83,15 +88,17 @@ class KVCache:
         zero = 0 * after  # 0 * x is not folded for floats
         positions = jnp.broadcast_to(self.next_position[:, None, None], k.shape[:2] + (1,))
 
-        def put(layers, new):
-            start = (0, 0, self.cursor) + (0,) * (new.ndim - 3)  # [B, Hkv, S(, D)]
-            dep = zero if new.ndim == 4 else zero[..., 0]
+        def put(layers, new, dep, slot_axis):  # new and dep shaped like the layer's buffer, 1 slot wide
+            start = [0] * new.ndim
+            start[slot_axis] = self.cursor
             new = new.astype(layers[index].dtype) + dep.astype(layers[index].dtype)
             updated = jax.lax.dynamic_update_slice(layers[index], new, start)
             return layers[:index] + (updated,) + layers[index + 1:]
 
-        return self.replace(layer_keys=put(self.layer_keys, k), layer_values=put(self.layer_values, v),
-                            layer_positions=put(self.layer_positions, positions))
+        return self.replace(
+            layer_keys=put(self.layer_keys, k.swapaxes(-1, -2), zero.swapaxes(-1, -2), 3),  # [B, Hkv, D, 1]
+            layer_values=put(self.layer_values, v, zero, 2),
+            layer_positions=put(self.layer_positions, positions, zero[..., 0], 2))
 
     def advance(self) -> "KVCache":
         """Move the cursor and every row's position on by one token."""

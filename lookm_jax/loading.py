@@ -21,7 +21,7 @@ import numpy as np
 from lookm_jax.convert import original_llava, store
 from lookm_jax.convert.hf import load_hf_folder, parse_config, params_from_hf
 from lookm_jax.model import Model
-from lookm_jax.models import llama
+from lookm_jax.models import llama, llava
 
 DEMO_NAME = "smollm2-135m-llava-demo"
 DEMO_IMAGE_TOKEN = "<image>"
@@ -54,16 +54,17 @@ def _tokenizer_from_json(tokenizer_json: str | None):
     return None if tokenizer_json is None else Tokenizer.from_str(tokenizer_json)
 
 
-def _to_jax(params: dict, dtype) -> dict:
+def _to_jax(config, params: dict, dtype) -> dict:
     """One batched host->device transfer (far faster here than per-array jnp.asarray), a cast, and
     the decoder's runtime layout (per-layer [out, in] weights, `llama.runtime_params`) built on the device."""
     params = jax.device_put(params)
     params = jax.tree.map(lambda a: a if a.dtype == dtype else a.astype(dtype), params)
-    return {**params, "text": llama.runtime_params(params["text"])}
+    return {**params, "text": llama.runtime_params(llava.text_config(config), params["text"])}
 
 
 def _from_manifest(manifest: dict, params: dict, tokenizer_json: str | None, dtype) -> Model:
-    return Model(config=parse_config(manifest["hf_config"]), params=_to_jax(params, dtype),
+    config = parse_config(manifest["hf_config"])
+    return Model(config=config, params=_to_jax(config, params, dtype),
                  manifest=manifest, tokenizer=_tokenizer_from_json(tokenizer_json))
 
 

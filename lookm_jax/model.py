@@ -229,5 +229,5 @@ class Model:
 
         tokenizer_json = self.tokenizer.to_str() if self.tokenizer is not None else None
         params = {**jax.tree.map(np.asarray, {k: v for k, v in self.params.items() if k != "text"}),
-                  "text": llama.stored_params(self.params["text"])}  # the stored layout
+                  "text": llama.stored_params(self.text_config, self.params["text"])}  # the stored layout
         save_converted(path, params, self.manifest, tokenizer_json)

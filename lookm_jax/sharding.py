@@ -9,9 +9,10 @@ column/row pattern; norms, biases of row-parallel layers and anything not listed
 architectures' vision parts) are replicated. A decoder layer then costs two all-reduces of the
 hidden states, as in Megatron-LM.
 
-Each layer's KV cache is [B over "data", Hkv over "model", S, D], so each device holds, scores,
-compresses and attends to its own rows' own KV heads: compression is per (row, head) and never
-gathers the cache (tests/mesh_check.py checks the compiled HLO). Hkv must divide over "model".
+Each layer's KV cache is [B over "data", Hkv over "model", ...] (keys [.., D, S], values
+[.., S, D]), so each device holds, scores, compresses and attends to its own rows' own KV heads:
+compression is per (row, head) and never gathers the cache (tests/mesh_check.py checks the
+compiled HLO). Hkv must divide over "model".
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ _LAYER_VECTOR = P(None, MODEL)  # [N, out] bias of a column-parallel layer
 PARAM_RULES: dict[tuple[str, str], P] = {
     ("text", "embed"): P(MODEL, None),  # [V, H]: a masked local lookup + all-reduce; tied logits split over V
     ("text", "lm_head"): P(MODEL, None),  # [V, H]
-    **{("text", k): P(MODEL, None) for k in ("wq", "wk", "wv", "w_gate", "w_up")},  # [out, in]
+    ("text", "w_qkv"): P(MODEL, None, None, None),  # [Hkv, G + 2, D, H]: whole KV heads with their queries
+    ("text", "b_qkv"): P(MODEL, None, None),  # [Hkv, G + 2, D]: Qwen2's q/k/v biases
+    ("text", "w_gate_up"): P(None, MODEL, None),  # [2, I, H]: gate and up rows split alike
     **{("text", k): P(None, MODEL) for k in ("wo", "w_down")},  # [out, in]
-    **{("text", k): P(MODEL) for k in ("bq", "bk", "bv")},  # Qwen2's q/k/v biases
     **{("vision", k): _COLUMN for k in ("wq", "wk", "wv", "fc1_w")},
     **{("vision", k): _LAYER_VECTOR for k in ("bq", "bk", "bv", "fc1_b")},
     **{("vision", k): _ROW for k in ("wo", "fc2_w")},
@@ -42,7 +44,7 @@ PARAM_RULES: dict[tuple[str, str], P] = {
     ("projector", "w2"): P(MODEL, None),
 }
 
-KV_SPEC = P(DATA, MODEL, None, None)  # each layer's cache keys / values [B, Hkv, S, D]
+KV_SPEC = P(DATA, MODEL, None, None)  # each layer's cache keys [B, Hkv, D, S] / values [B, Hkv, S, D]
 POSITIONS_SPEC = P(DATA, MODEL, None)  # each layer's cache positions [B, Hkv, S]
 ROWS = P(DATA)  # [B, ...] inputs: ids, valid, first tokens
 

@@ -68,7 +68,7 @@ def tiny_model() -> Model:
                               patch_size=6)  # 25 patches
     cfg = LlavaConfig(text=text, vision=vision, image_token_id=IMAGE)
     rng = np.random.default_rng(0)
-    params = {"text": llama.runtime_params(_random_params(llama_shapes(text), rng)), "vision": _random_params(clip_shapes(vision), rng),
+    params = {"text": llama.runtime_params(text, _random_params(llama_shapes(text), rng)), "vision": _random_params(clip_shapes(vision), rng),
               "projector": _random_params(projector_shapes(cfg), rng)}
     return Model(config=cfg, params=params, manifest={})
 
@@ -161,8 +161,9 @@ def test_mesh_generation_equals_single_device_without_gathering_kv(sharded, sing
     kv_split = NamedSharding(sharded_model.mesh, sharding.KV_SPEC)
     assert all(k.sharding.is_equivalent_to(kv_split, 4) for k in cache.layer_keys + cache.layer_values)
     data, model_axis = MESHES[mesh_name]
-    chex.assert_shape([k.addressable_shards[0].data for k in cache.layer_keys],
-                      [(4 // data, 4 // model_axis, RUN_METHODS[name].capacity(BUCKET) + NEW, D)] * 2)
+    slots = RUN_METHODS[name].capacity(BUCKET) + NEW
+    chex.assert_shape([k.addressable_shards[0].data for k in cache.layer_keys],  # keys [B, Hkv, D, S]
+                      [(4 // data, 4 // model_axis, D, slots)] * 2)
     for program_name, program in (("prefill", prefill), ("decode", decode)):
         moved = per_head_collectives(program.as_text())
         assert not moved, f"{mesh_name} {name} {program_name}: collectives move per-head arrays: {moved}"

@@ -9,6 +9,7 @@ updates (dynamic-update-slice fusions, whose result is the buffer they update) a
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -86,11 +87,12 @@ def _decode_hlo() -> str:
     stored = {"layers": {}}
     for path, shape in shapes.items():
         (stored["layers"] if path.startswith("layers.") else stored)[path.split(".")[-1]] = shape
-    params = jax.eval_shape(llama.runtime_params, _abstract(stored))
+    params = jax.eval_shape(functools.partial(llama.runtime_params, CFG), _abstract(stored))
     kv = jax.ShapeDtypeStruct((BATCH, CFG.num_kv_heads, CAPACITY, CFG.head_dim), jnp.float32)
+    keys = jax.ShapeDtypeStruct((BATCH, CFG.num_kv_heads, CFG.head_dim, CAPACITY), jnp.float32)  # [B, Hkv, D, S]
     positions = jax.ShapeDtypeStruct(kv.shape[:-1], jnp.int32)
     n = CFG.num_layers
-    cache = KVCache(layer_keys=(kv,) * n, layer_values=(kv,) * n, layer_positions=(positions,) * n,
+    cache = KVCache(layer_keys=(keys,) * n, layer_values=(kv,) * n, layer_positions=(positions,) * n,
                     cursor=jax.ShapeDtypeStruct((), jnp.int32), next_position=jax.ShapeDtypeStruct((BATCH,), jnp.int32))
     first = jax.ShapeDtypeStruct((BATCH,), jnp.int32)
     return gen.decode.lower(CFG, params, first, cache, jax.random.key(0), max_new_tokens=NEW,

@@ -27,7 +27,7 @@ def _demo_folder() -> str:
 def test_cached_demo_equals_fresh_conversion(demo):
     assert store.is_converted(_demo_folder())
     _, fresh, _ = loading.build_demo()
-    cached = store.flatten({**demo.params, "text": llama.stored_params(demo.params["text"])})  # the stored layout
+    cached = store.flatten({**demo.params, "text": llama.stored_params(demo.text_config, demo.params["text"])})  # the stored layout
     for key, value in store.flatten(fresh).items():
         np.testing.assert_array_equal(cached[key], value, err_msg=key)
 

@@ -137,7 +137,7 @@ def test_qwen2_text_only_matches_hf(tmp_path):
     hf.save_pretrained(str(tmp_path))
     model = lookm_jax.load(str(tmp_path))
     assert model.text_config.qkv_bias and not model.is_multimodal
-    chex.assert_shape([lp["bk"] for lp in model.params["text"]["layers"]], [(2 * 8,)] * 2)
+    chex.assert_shape([lp["b_qkv"] for lp in model.params["text"]["layers"]], [(2, 4 + 2, 8)] * 2)  # [Hkv, G + 2, D]
     ids = np.random.default_rng(0).integers(0, VOCAB, (1, 40))
     with torch.no_grad():
         ref = hf(input_ids=torch.as_tensor(ids)).logits.numpy()
