@@ -210,20 +210,21 @@ def main() -> None:
     print(f"kernel bound = every weight dot alone ({dots_ms:.1f} ms) + every layer's cache attention alone over "
           f"the cache, timed in the same run; the attention streams at "
           + ", ".join(f"{r['kernels']['attention_gbs']:.1f}" for r in rows) + " GB/s")
-    print("\npeak RSS of one LOOK-M 20% prefill + scoring + compression (fresh process each; "
-          "counter reset after load and compile)")
-    print(f"{'prompt':>6} | {'image':>5} | {'bucket':>6} | {'RSS before MiB':>14} | {'peak MiB':>8} | "
-          f"{'peak - before':>13} | {'tokens vs first':>15} | {'growth vs first':>15} | {'prefill s':>9} | "
-          f"{'compile s':>9}")
-    first = rss[0] if rss else {}
-    for row in rss:
-        row["growth_mib"] = row["peak_mib"] - row["before_mib"]
-        row["growth_vs_first"] = row["growth_mib"] / (first["peak_mib"] - first["before_mib"])
-        row["tokens_vs_first"] = row["tokens"] / first["tokens"]
-        print(f"{row['tokens']:>6} | {row['image'] / row['tokens']:>5.0%} | {row['bucket']:>6} | "
-              f"{row['before_mib']:>14.0f} | {row['peak_mib']:>8.0f} | {row['growth_mib']:>13.0f} | "
-              f"{row['tokens_vs_first']:>14.2f}x | {row['growth_vs_first']:>14.2f}x | {row['prefill_s']:>9.1f} | "
-              f"{row['compile_s']:>9.1f}")
+    if rss:  # --rss-lengths with no value: speed only
+        print("\npeak RSS of one LOOK-M 20% prefill + scoring + compression (fresh process each; "
+              "counter reset after load and compile)")
+        print(f"{'prompt':>6} | {'image':>5} | {'bucket':>6} | {'RSS before MiB':>14} | {'peak MiB':>8} | "
+              f"{'peak - before':>13} | {'tokens vs first':>15} | {'growth vs first':>15} | {'prefill s':>9} | "
+              f"{'compile s':>9}")
+        first = rss[0]
+        for row in rss:
+            row["growth_mib"] = row["peak_mib"] - row["before_mib"]
+            row["growth_vs_first"] = row["growth_mib"] / (first["peak_mib"] - first["before_mib"])
+            row["tokens_vs_first"] = row["tokens"] / first["tokens"]
+            print(f"{row['tokens']:>6} | {row['image'] / row['tokens']:>5.0%} | {row['bucket']:>6} | "
+                  f"{row['before_mib']:>14.0f} | {row['peak_mib']:>8.0f} | {row['growth_mib']:>13.0f} | "
+                  f"{row['tokens_vs_first']:>14.2f}x | {row['growth_vs_first']:>14.2f}x | {row['prefill_s']:>9.1f} | "
+                  f"{row['compile_s']:>9.1f}")
     if args.json:
         figures = {"command": " ".join(sys.argv), "cpu_count": os.cpu_count(), "prompt_tokens": int(ids.shape[1]),
                    "image_tokens": n_image, "new_tokens": args.new_tokens, "repeats": args.repeats,
