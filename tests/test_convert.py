@@ -158,3 +158,31 @@ def test_runtime_path_imports_neither_torch_nor_transformers(checkpoint):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_runtime_layout_round_trips_and_keeps_each_heads_projection():
+    """`llama.runtime_params` fuses q/k/v per KV head and gate/up per row; `stored_params` undoes
+    it exactly (Qwen2 biases and GQA included), and row j of a query head's block in w_qkv is the
+    stored wq's column of that head."""
+    from lookm_jax.convert.tables import llama_shapes
+    from lookm_jax.models import llama
+    from lookm_jax.models.config import LlamaConfig, RopeConfig
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=24, intermediate_size=40, num_layers=2, num_heads=6,
+                      num_kv_heads=2, head_dim=4, rms_norm_eps=1e-5, rope=RopeConfig(theta=1e4), qkv_bias=True)
+    rng = np.random.default_rng(0)
+    stored = {"layers": {}}
+    for path, shape in llama_shapes(cfg).items():
+        leaf = rng.standard_normal(shape).astype(np.float32)
+        (stored["layers"] if path.startswith("layers.") else stored)[path.split(".")[-1]] = leaf
+    assert {"bq", "bk", "bv"} <= set(stored["layers"])
+    runtime = llama.runtime_params(cfg, stored)
+    layer = runtime["layers"][1]
+    assert layer["w_qkv"].shape == (2, 3 + 2, 4, 24) and layer["w_gate_up"].shape == (2, 40, 24)
+    head = 4  # query head 4 belongs to KV head 1 (3 query heads per KV head), second in its group
+    np.testing.assert_array_equal(layer["w_qkv"][1, 1], stored["layers"]["wq"][1][:, head * 4:(head + 1) * 4].T)
+    np.testing.assert_array_equal(layer["w_qkv"][1, 3], stored["layers"]["wk"][1][:, 4:8].T)
+    back = llama.stored_params(cfg, runtime)
+    assert set(back["layers"]) == set(stored["layers"])
+    for name, value in stored["layers"].items():
+        np.testing.assert_array_equal(back["layers"][name], value, err_msg=name)
