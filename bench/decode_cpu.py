@@ -100,7 +100,8 @@ def weight_dots_time(model) -> dict:
         return y
 
     text = model.params["text"]
-    weights = [w.reshape(-1, w.shape[-1]) for lp in text["layers"] for w in lp.values() if w.ndim >= 2]  # [out, in]
+    weights = [w.reshape(-1, w.shape[-1]) for lp in text["layers"] for name, w in lp.items()
+               if name.startswith("w")]  # [out, in] (b_qkv is a bias)
     weights.append(text.get("lm_head", text["embed"]))
     dots_ms = _best_ms(jax.jit(dots), weights)
     return {"dots_ms": dots_ms, "dots_gbs": sum(w.nbytes for w in weights) / dots_ms / 1e6}

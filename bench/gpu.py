@@ -59,7 +59,7 @@ def random_params(cfg: LlavaConfig, dtype, seed: int = 0) -> dict:
         name, part = (str(getattr(k, "key", k)) for k in (path[-1], path[0]))
         if name.endswith("norm") or name in ("pre_norm_w", "ln1_w", "ln2_w"):
             return _filled(leaf.shape, dtype, 1.0)
-        if leaf.ndim < 2:
+        if leaf.ndim < 2 or name.startswith("b_"):  # biases (Qwen2's b_qkv is [Hkv, G + 2, D])
             return _filled(leaf.shape, dtype, 0.0)
         fan_in = leaf.shape[-1] if part == "text" else leaf.shape[-2]  # decoder [out, in], vision [in, out]
         return _normal(key, leaf.shape, dtype, fan_in**-0.5)

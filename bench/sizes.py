@@ -151,7 +151,7 @@ def main() -> None:
                  f"{sum(counts.values()) / 1e9:.3f} B", f"{per_token / 2**10:.0f} KiB"]
         for i, cache in enumerate(caches):
             size = nbytes(*cache.layer_keys, *cache.layer_values)
-            assert size == per_token * cache.capacity  # N x [B, Hkv, S, D] K and V, nothing else
+            assert size == per_token * cache.capacity  # N x K [B, Hkv, D, S] and V [B, Hkv, S, D], nothing else
             ratio = "" if i == 0 else f", {size / full:.3f}x"
             cells.append(f"{size / GIB:.3f} GiB ({cache.capacity}{ratio})")
         print("| " + " | ".join(cells) + " |")

@@ -34,7 +34,7 @@ PARAM_RULES: dict[tuple[str, str], P] = {
     ("text", "lm_head"): P(MODEL, None),  # [V, H]
     ("text", "w_qkv"): P(MODEL, None, None, None),  # [Hkv, G + 2, D, H]: whole KV heads with their queries
     ("text", "b_qkv"): P(MODEL, None, None),  # [Hkv, G + 2, D]: Qwen2's q/k/v biases
-    ("text", "w_gate_up"): P(None, MODEL, None),  # [2, I, H]: gate and up rows split alike
+    ("text", "w_gate_up"): P(MODEL, None, None),  # [I, 2, H]: each row's gate and up together
     **{("text", k): P(None, MODEL) for k in ("wo", "w_down")},  # [out, in]
     **{("vision", k): _COLUMN for k in ("wq", "wk", "wv", "fc1_w")},
     **{("vision", k): _LAYER_VECTOR for k in ("bq", "bk", "bv", "fc1_b")},

@@ -6,11 +6,12 @@ compiled programs read, and `stored_params` back (Model.save):
     embed [V, H]; final_norm [H]; lm_head [V, H] (absent when tied to embed)
     layers: a tuple of N dicts: attn_norm [H], w_qkv [Hkv, G + 2, D, H] (per KV head: its G query
             heads, its key, its value; G = Hq // Hkv), wo [H, Hq*D], mlp_norm [H],
-            w_gate_up [2, I, H], w_down [H, I] (+ b_qkv [Hkv, G + 2, D] when cfg.qkv_bias: Qwen2)
+            w_gate_up [I, 2, H] (each MLP row's gate and up), w_down [H, I]
+            (+ b_qkv [Hkv, G + 2, D] when cfg.qkv_bias: Qwen2)
 Weights are [out, in], so a batch-1 decode dot contracts each weight's minor axis (on XLA:CPU it
 streams about twice as fast as [in, out]); q/k/v and gate/up are one dot each (larger dots stream
 faster: 30 SmolLM2 layers' batch-1 dots 22.5 -> 19.5 ms), split by KV head and by MLP row so a
-mesh still shards them by whole heads; and one array per layer lets the decode loop, a Python
+mesh still shards whole heads and rows (the split axis leads, so no weight is gathered); and one array per layer lets the decode loop, a Python
 loop over layers inside `lax.while_loop`, read every weight in place: slicing a layer out of a
 stacked array inside the loop copies it on every step.
 
@@ -209,9 +210,9 @@ def finish_layer(cfg: LlamaConfig, lp: dict, h: jax.Array, attn: jax.Array) -> j
     b, _, length, _ = attn.shape
     h = h + dense(attn.transpose(0, 2, 1, 3).reshape(b, length, -1), lp["wo"])
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-    w = lp["w_gate_up"]  # [2, I, H], one [out, in] matrix
-    gate_up = dense(x, w.reshape(-1, w.shape[-1])).reshape(b, length, 2, -1)  # [B, L, 2, I]
-    return h + dense(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], lp["w_down"])
+    w = lp["w_gate_up"]  # [I, 2, H], one [out, in] matrix
+    gate_up = dense(x, w.reshape(-1, w.shape[-1])).reshape(b, length, -1, 2)  # [B, L, I, 2]
+    return h + dense(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1], lp["w_down"])
 
 
 def final_hidden(cfg: LlamaConfig, params: dict, h: jax.Array) -> jax.Array:
@@ -284,7 +285,7 @@ def _runtime_layer(cfg: LlamaConfig, stored: dict) -> dict:
     layer = {name: stored[name].T if name in _TRANSPOSED else stored[name]
              for name in ("attn_norm", "mlp_norm", *_TRANSPOSED)}
     layer["w_qkv"] = jnp.concatenate([per_head(stored[n]) for n in ("wq", "wk", "wv")], axis=1)
-    layer["w_gate_up"] = jnp.stack([stored["w_gate"].T, stored["w_up"].T])
+    layer["w_gate_up"] = jnp.stack([stored["w_gate"].T, stored["w_up"].T], axis=1)
     if "bq" in stored:
         layer["b_qkv"] = jnp.concatenate([stored[n].reshape(hkv, -1, d) for n in ("bq", "bk", "bv")], axis=1)
     return layer
@@ -298,7 +299,7 @@ def _stored_layer(cfg: LlamaConfig, layer: dict) -> dict:
     stored = {name: w.reshape(-1, w.shape[-1]).T for name, w in parts.items()}
     stored.update({name: np.asarray(layer[name]).T if name in _TRANSPOSED else np.asarray(layer[name])
                    for name in ("attn_norm", "mlp_norm", *_TRANSPOSED)})
-    stored["w_gate"], stored["w_up"] = (w.T for w in np.asarray(layer["w_gate_up"]))
+    stored["w_gate"], stored["w_up"] = (w.T for w in np.moveaxis(np.asarray(layer["w_gate_up"]), 1, 0))
     if "b_qkv" in layer:
         b_qkv = np.asarray(layer["b_qkv"])
         stored.update({"bq": b_qkv[:, :group].reshape(-1), "bk": b_qkv[:, group].reshape(-1),

@@ -148,7 +148,8 @@ def sharded(model):
 @pytest.mark.parametrize("mesh_name,name", MESH_RUNS)
 def test_mesh_generation_equals_single_device_without_gathering_kv(sharded, single, prompt, mesh_name, name):
     """Tokens equal, kept slots equal, cache K/V to 1e-5; the cache stays split, 1/4 per device;
-    no collective of the compiled prefill (which compresses) or decode moves a per-head array."""
+    no collective of the compiled prefill (which compresses) or decode moves a per-head array or
+    gathers a whole weight."""
     sharded_model = sharded(mesh_name)
     result, cache, prefill, decode = _run(sharded_model, prompt, RUN_METHODS[name])
     ref, ref_cache = single[0][name]
@@ -164,9 +165,13 @@ def test_mesh_generation_equals_single_device_without_gathering_kv(sharded, sing
     slots = RUN_METHODS[name].capacity(BUCKET) + NEW
     chex.assert_shape([k.addressable_shards[0].data for k in cache.layer_keys],  # keys [B, Hkv, D, S]
                       [(4 // data, 4 // model_axis, D, slots)] * 2)
+    weights = {a.shape for a in jax.tree.leaves(sharded_model.params) if a.ndim >= 2}
     for program_name, program in (("prefill", prefill), ("decode", decode)):
         moved = per_head_collectives(program.as_text())
         assert not moved, f"{mesh_name} {name} {program_name}: collectives move per-head arrays: {moved}"
+        gathered = [shape for op, shapes in collectives(program.as_text()) if op == "all-gather"
+                    for shape in shapes if shape in weights]
+        assert not gathered, f"{mesh_name} {name} {program_name}: whole weights gathered: {gathered}"
 
 
 def test_mesh_logits_equal_single_device(sharded, single, prompt):

@@ -178,7 +178,7 @@ def test_runtime_layout_round_trips_and_keeps_each_heads_projection():
     assert {"bq", "bk", "bv"} <= set(stored["layers"])
     runtime = llama.runtime_params(cfg, stored)
     layer = runtime["layers"][1]
-    assert layer["w_qkv"].shape == (2, 3 + 2, 4, 24) and layer["w_gate_up"].shape == (2, 40, 24)
+    assert layer["w_qkv"].shape == (2, 3 + 2, 4, 24) and layer["w_gate_up"].shape == (40, 2, 24)
     head = 4  # query head 4 belongs to KV head 1 (3 query heads per KV head), second in its group
     np.testing.assert_array_equal(layer["w_qkv"][1, 1], stored["layers"]["wq"][1][:, head * 4:(head + 1) * 4].T)
     np.testing.assert_array_equal(layer["w_qkv"][1, 3], stored["layers"]["wk"][1][:, 4:8].T)

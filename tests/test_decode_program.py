@@ -25,7 +25,7 @@ from lookm_jax.models.config import LlamaConfig
 CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
                   head_dim=16, tie_word_embeddings=True)
 BATCH, CAPACITY, NEW = 2, 48, 8
-# The smallest weight (wk: 32 x 64) and one layer's cache keys (2 x 2 x 48 x 16) are both >= this;
+# The smallest weight (wo: 64 x 64) and one layer's cache keys (2 x 2 x 16 x 48) are both >= this;
 # no activation of a decode step is (the largest, the logits, is 2 x 96).
 BIG = 2048
 _PASS_THROUGH = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional",
