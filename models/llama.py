@@ -11,9 +11,9 @@ compiled programs read, and `stored_params` back (Model.save):
 Weights are [out, in], so a batch-1 decode dot contracts each weight's minor axis (on XLA:CPU it
 streams about twice as fast as [in, out]); q/k/v and gate/up are one dot each (larger dots stream
 faster: 30 SmolLM2 layers' batch-1 dots 22.5 -> 19.5 ms), split by KV head and by MLP row so a
-mesh still shards whole heads and rows (the split axis leads, so no weight is gathered); and one array per layer lets the decode loop, a Python
-loop over layers inside `lax.while_loop`, read every weight in place: slicing a layer out of a
-stacked array inside the loop copies it on every step.
+mesh still shards whole heads and rows (the split axis leads, so no weight is gathered); and one
+array per layer lets the decode loop, a Python loop over layers inside `lax.while_loop`, read every
+weight in place: slicing a layer out of a stacked array inside the loop copies it on every step.
 
 `encode` runs the layer loop over a whole padded prompt (the logits path, the compressing
 prefill, the shared prefill and the attention analysis call it with their own per-layer hook);
@@ -38,8 +38,6 @@ ATTENTION_BLOCK = 256
 # upper triangle costs (KEY_PREFIXES + 1) / KEY_PREFIXES of the causal work instead of twice it.
 KEY_PREFIXES = 8
 _MASKED = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
-# Stored layer weights [in, out] that the runtime layout keeps as they are but transposed to [out, in].
-_TRANSPOSED = ("wo", "w_down")
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     """[D/2] float32 inverse frequencies, with Llama-3 scaling when configured (HF's formula)."""
     inv_freq = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
@@ -70,12 +68,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def _masked_scores(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
-    """Scaled fp32 logits [B, Hkv, G, Lq, Lk] (see ``_softmax_parts``), masked entries _MASKED."""
+def _masked_scores(q: jax.Array, k: jax.Array, mask: jax.Array, slots_minor: bool = False) -> jax.Array:
+    """Scaled fp32 logits [B, Hkv, G, Lq, Lk] (see ``_softmax_parts``), masked entries _MASKED.
+    k is [B, Hkv, Lk, D], or [B, Hkv, D, Lk] with `slots_minor` (the cache's key layout)."""
     b, hq, lq, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
+    hkv, lk = k.shape[1], k.shape[-1 if slots_minor else 2]
     qg = q.reshape(b, hkv, hq // hkv * lq, d)
-    scores = jnp.einsum("bhqd,bhkd->bhqk", qg, k, preferred_element_type=jnp.float32) * d**-0.5
+    keys = "bhdk" if slots_minor else "bhkd"
+    scores = jnp.einsum(f"bhqd,{keys}->bhqk", qg, k, preferred_element_type=jnp.float32) * d**-0.5
     return jnp.where(mask, scores.reshape(b, hkv, hq // hkv, lq, lk), _MASKED)
 
 
@@ -123,11 +123,7 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
     Returns [B, Hq, 1, D]. The cache is read before the token is written into it
     (``KVCache.append(..., after=)``): reading the updated buffer would make XLA copy the cache.
     """
-    b, hq, _, d = q.shape
-    hkv = k_cache.shape[1]
-    qg = q.reshape(b, hkv, hq // hkv, d)
-    cached = jnp.einsum("bhgd,bhds->bhgs", qg, k_cache, preferred_element_type=jnp.float32) * d**-0.5
-    cached = jnp.where(mask[:, :, None], cached, _MASKED)[:, :, :, None]  # [B, Hkv, G, 1, S]
+    cached = _masked_scores(q, k_cache, mask[:, :, None, None, :], slots_minor=True)  # [B, Hkv, G, 1, S]
     own = _masked_scores(q, k, True)  # [B, Hkv, G, 1, 1]
     probs = jax.nn.softmax(jnp.concatenate([cached, own], axis=-1), axis=-1)
     return _mix_values(probs[..., :-1], v_cache) + _mix_values(probs[..., -1:], v)
@@ -282,8 +278,8 @@ def _runtime_layer(cfg: LlamaConfig, stored: dict) -> dict:
     """One layer's stored weights (wq/wk/wv [H, heads*D], w_gate/w_up [H, I], ...) -> runtime layout."""
     hkv, d = cfg.num_kv_heads, cfg.head_dim
     per_head = lambda w: w.T.reshape(hkv, -1, d, w.shape[0])  # [H, Hkv*n*D] -> [Hkv, n, D, H]
-    layer = {name: stored[name].T if name in _TRANSPOSED else stored[name]
-             for name in ("attn_norm", "mlp_norm", *_TRANSPOSED)}
+    layer = {"attn_norm": stored["attn_norm"], "mlp_norm": stored["mlp_norm"],
+             "wo": stored["wo"].T, "w_down": stored["w_down"].T}
     layer["w_qkv"] = jnp.concatenate([per_head(stored[n]) for n in ("wq", "wk", "wv")], axis=1)
     layer["w_gate_up"] = jnp.stack([stored["w_gate"].T, stored["w_up"].T], axis=1)
     if "bq" in stored:
@@ -293,17 +289,16 @@ def _runtime_layer(cfg: LlamaConfig, stored: dict) -> dict:
 
 def _stored_layer(cfg: LlamaConfig, layer: dict) -> dict:
     """The inverse of ``_runtime_layer``, in numpy."""
+    layer = {name: np.asarray(a) for name, a in layer.items()}
     group = cfg.num_heads // cfg.num_kv_heads
-    w_qkv = np.asarray(layer["w_qkv"])  # [Hkv, G + 2, D, H]
-    parts = {"wq": w_qkv[:, :group], "wk": w_qkv[:, group:group + 1], "wv": w_qkv[:, group + 1:]}
-    stored = {name: w.reshape(-1, w.shape[-1]).T for name, w in parts.items()}
-    stored.update({name: np.asarray(layer[name]).T if name in _TRANSPOSED else np.asarray(layer[name])
-                   for name in ("attn_norm", "mlp_norm", *_TRANSPOSED)})
-    stored["w_gate"], stored["w_up"] = (w.T for w in np.moveaxis(np.asarray(layer["w_gate_up"]), 1, 0))
+    q_k_v = lambda a: np.split(a, [group, group + 1], axis=1)  # [Hkv, G + 2, ...] -> G, 1 and 1 along axis 1
+    stored = {"attn_norm": layer["attn_norm"], "mlp_norm": layer["mlp_norm"],
+              "wo": layer["wo"].T, "w_down": layer["w_down"].T}
+    for name, part in zip(("wq", "wk", "wv"), q_k_v(layer["w_qkv"])):  # [Hkv, n, D, H] -> [H, Hkv*n*D]
+        stored[name] = part.reshape(-1, part.shape[-1]).T
+    stored["w_gate"], stored["w_up"] = (w.T for w in np.moveaxis(layer["w_gate_up"], 1, 0))
     if "b_qkv" in layer:
-        b_qkv = np.asarray(layer["b_qkv"])
-        stored.update({"bq": b_qkv[:, :group].reshape(-1), "bk": b_qkv[:, group].reshape(-1),
-                       "bv": b_qkv[:, group + 1].reshape(-1)})
+        stored.update({name: part.reshape(-1) for name, part in zip(("bq", "bk", "bv"), q_k_v(layer["b_qkv"]))})
     return stored
 
 
