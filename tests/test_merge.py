@@ -94,15 +94,15 @@ def test_weighted_negative_cosine_subtracts_the_evicted_pair():
 
 
 def test_assignment_picks_the_first_of_tied_slots_like_argmax():
-    """`merge._first_max` (two plain reductions instead of XLA:CPU's slow argmax) returns
+    """`layers.first_max` (two plain reductions instead of XLA:CPU's slow argmax) returns
     jnp.argmax's index, the lowest of tied slots, and the maximum; a row with no kept slot (all
     -inf) gets slot 0 as argmax does."""
-    from lookm_jax.merge import _first_max
+    from lookm_jax.models.layers import first_max
 
     rng = np.random.default_rng(0)
     x = rng.integers(0, 4, (64, 9)).astype(np.float32)  # many ties
     x[3] = -np.inf
-    index, top = _first_max(jnp.asarray(x))
+    index, top = first_max(jnp.asarray(x))
     np.testing.assert_array_equal(index, np.argmax(x, -1))
     np.testing.assert_array_equal(top, x.max(-1))
     assert index[3] == 0
