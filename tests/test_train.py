@@ -206,7 +206,8 @@ def test_train_command_refuses_bad_arguments_before_writing(tmp_path, capsys):
 
     out = tmp_path / "run"
     for flag, value, message in (("--tower-lr-scale", "2", "--tower-lr-scale must be in [0, 1], got 2.0"),
-                                 ("--pretrain-steps", "-1", "--pretrain-steps >= 0")):
+                                 ("--pretrain-steps", "-1", "--pretrain-steps >= 0"),
+                                 ("--pretrain-scenes", "8", "--pretrain-scenes must be >= 32 (one stage-0 batch), got 8")):
         assert cli.main(["train", "vision", "--output", str(out), flag, value]) == 2
         assert message in capsys.readouterr().err
     assert not out.exists()
@@ -220,7 +221,9 @@ def test_train_command_flags_reach_the_config():
         return command.train_config(cli.build_parser().parse_args(["train", "vision", "--output", "run", *flags]))
 
     plain = config()
-    assert not plain.multi.text_facts and plain.multi_every == 4 and plain.pretrain.steps == 1000
+    assert not plain.multi.text_facts and plain.multi_every == 4
+    assert plain.pretrain == tower.PretrainConfig()  # the command's stage-0 defaults are the library's
+    assert command.PRETRAIN_BATCH == tower.PretrainConfig().batch_size
     facts = config("--text-facts", "--multi-every", "2", "--init", "w.safetensors", "--tower-lr-scale", "0.5")
     assert facts.multi.text_facts and facts.multi_every == 2 and facts.pretrain is None
     assert facts.tower_learning_rate_scale == 0.5 and facts.multi.min_pictures == plain.multi.min_pictures

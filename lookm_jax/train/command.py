@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 import os
 
+# Stage 0's defaults (tower.PretrainConfig's; a test checks they agree): literals, so that parsing the
+# command line does not import jax.
+PRETRAIN_STEPS, PRETRAIN_SCENES, PRETRAIN_BATCH = 3000, 16384, 32
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
@@ -25,7 +29,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tower-lr-scale", type=float, default=0.0,
                    help="stage-1 learning rate of the tower as a fraction of the projector's, in [0, 1] "
                         "(default 0: the tower keeps its stage-0 features, as in LLaVA's stage 1)")
-    p.add_argument("--pretrain-steps", type=int, default=1000, help="stage-0 steps (0 = skip stage 0)")
+    p.add_argument("--pretrain-steps", type=int, default=PRETRAIN_STEPS, help="stage-0 steps (0 = skip stage 0)")
+    p.add_argument("--pretrain-scenes", type=int, default=PRETRAIN_SCENES,
+                   help="distinct training scenes stage 0 cycles through (>= its batch of %d)" % PRETRAIN_BATCH)
     p.add_argument("--eval-every", type=int, default=50, help="steps between held-out accuracy checks")
     p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
     p.add_argument("--init", metavar="WEIGHTS",
@@ -45,6 +51,8 @@ def train_config(args):
     if args.multi_every < 0 or args.pretrain_steps < 0 or args.batch_size < 1:
         raise ValueError(f"need --multi-every >= 0, --pretrain-steps >= 0 and --batch-size >= 1, got "
                          f"{args.multi_every}, {args.pretrain_steps}, {args.batch_size}")
+    if args.pretrain_scenes < PRETRAIN_BATCH:
+        raise ValueError(f"--pretrain-scenes must be >= {PRETRAIN_BATCH} (one stage-0 batch), got {args.pretrain_scenes}")
     if args.text_facts and not args.multi_every:
         raise ValueError("--text-facts needs multi-picture steps: --multi-every must be >= 1, got 0")
     if not 0 <= args.tower_lr_scale <= 1:
@@ -57,7 +65,7 @@ def train_config(args):
         multi_every=max(args.multi_every, 1),
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
         tower_learning_rate_scale=args.tower_lr_scale,
-        pretrain=tower.PretrainConfig(steps=args.pretrain_steps, seed=args.seed)
+        pretrain=tower.PretrainConfig(steps=args.pretrain_steps, dataset=args.pretrain_scenes, seed=args.seed)
         if args.pretrain_steps and not args.init else None)
 
 

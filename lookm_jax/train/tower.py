@@ -13,7 +13,9 @@ Measured here (a linear probe fitted on 1024 training scenes' frozen features, r
 ones): an object patch's shape is read at 0.32 from the seeded tower (chance 0.33), 0.43 after 300
 steps of colour + shape summed over all patches (background dominates), 0.79 after 1000 steps with
 the shape loss over object patches only, and 0.69 with every target here and shape weighted 3x (0.56
-unweighted, 1500 steps). Shape is learned late: flat for ~500 steps, then rising as the LR decays.
+unweighted, 1500 steps), all over 4096 distinct scenes. Shape is learned late: flat for ~500 steps, then
+rising as the LR decays. The defaults, 3000 steps over 16384 scenes (23 min here), read shape at 0.95,
+side 0.96, half 0.98 and count 0.97 (1000 steps over 4096: 0.73 / 0.91 / 0.92 / 0.83).
 """
 
 from __future__ import annotations
@@ -43,9 +45,9 @@ TARGETS = {
 
 @dataclasses.dataclass(frozen=True)
 class PretrainConfig:
-    steps: int = 1000
+    steps: int = 3000
     batch_size: int = 32
-    dataset: int = 4096  # distinct training scenes, cycled
+    dataset: int = 16384  # distinct training scenes, cycled
     learning_rate: float = 2e-3
     warmup_steps: int = 20
     seed: int = 0
