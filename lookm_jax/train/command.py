@@ -25,7 +25,7 @@ def add_parser(subparsers) -> None:
                    help="every N-th step trains on conversations over 2-8 pictures instead (0 = never)")
     p.add_argument("--text-facts", action="store_true",
                    help="one turn of each multi-picture conversation asks about a sentence between the pictures "
-                        "instead (default off: the shipped weights were trained without)")
+                        "instead (default off; the shipped weights were trained with it)")
     p.add_argument("--tower-lr-scale", type=float, default=0.0,
                    help="stage-1 learning rate of the tower as a fraction of the projector's, in [0, 1] "
                         "(default 0: the tower keeps its stage-0 features, as in LLaVA's stage 1)")
