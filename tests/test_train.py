@@ -223,7 +223,6 @@ def test_train_command_flags_reach_the_config():
     plain = config()
     assert not plain.multi.text_facts and plain.multi_every == 4
     assert plain.pretrain == tower.PretrainConfig()  # the command's stage-0 defaults are the library's
-    assert command.PRETRAIN_BATCH == tower.PretrainConfig().batch_size
     facts = config("--text-facts", "--multi-every", "2", "--init", "w.safetensors", "--tower-lr-scale", "0.5")
     assert facts.multi.text_facts and facts.multi_every == 2 and facts.pretrain is None
     assert facts.tower_learning_rate_scale == 0.5 and facts.multi.min_pictures == plain.multi.min_pictures
@@ -231,3 +230,8 @@ def test_train_command_flags_reach_the_config():
     assert vision.TrainConfig().multi_every == plain.multi_every  # the library's default is the command's
     with pytest.raises(ValueError, match="--text-facts needs multi-picture steps"):
         config("--text-facts", "--multi-every", "0")
+
+
+def test_pretrain_config_refuses_fewer_scenes_than_a_batch():
+    with pytest.raises(ValueError, match="dataset must be >= batch_size=32, got 8"):
+        tower.PretrainConfig(dataset=8)

@@ -7,7 +7,7 @@ import os
 
 # Stage 0's defaults (tower.PretrainConfig's; a test checks they agree): literals, so that parsing the
 # command line does not import jax.
-PRETRAIN_STEPS, PRETRAIN_SCENES, PRETRAIN_BATCH = 3000, 16384, 32
+PRETRAIN_STEPS, PRETRAIN_SCENES = 3000, 16384
 
 
 def add_parser(subparsers) -> None:
@@ -31,7 +31,7 @@ def add_parser(subparsers) -> None:
                         "(default 0: the tower keeps its stage-0 features, as in LLaVA's stage 1)")
     p.add_argument("--pretrain-steps", type=int, default=PRETRAIN_STEPS, help="stage-0 steps (0 = skip stage 0)")
     p.add_argument("--pretrain-scenes", type=int, default=PRETRAIN_SCENES,
-                   help="distinct training scenes stage 0 cycles through (>= its batch of %d)" % PRETRAIN_BATCH)
+                   help="distinct training scenes stage 0 cycles through (at least one stage-0 batch)")
     p.add_argument("--eval-every", type=int, default=50, help="steps between held-out accuracy checks")
     p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
     p.add_argument("--init", metavar="WEIGHTS",
@@ -51,8 +51,9 @@ def train_config(args):
     if args.multi_every < 0 or args.pretrain_steps < 0 or args.batch_size < 1:
         raise ValueError(f"need --multi-every >= 0, --pretrain-steps >= 0 and --batch-size >= 1, got "
                          f"{args.multi_every}, {args.pretrain_steps}, {args.batch_size}")
-    if args.pretrain_scenes < PRETRAIN_BATCH:
-        raise ValueError(f"--pretrain-scenes must be >= {PRETRAIN_BATCH} (one stage-0 batch), got {args.pretrain_scenes}")
+    if args.pretrain_scenes < tower.PretrainConfig.batch_size:
+        raise ValueError(f"--pretrain-scenes must be >= {tower.PretrainConfig.batch_size} (one stage-0 batch), "
+                         f"got {args.pretrain_scenes}")
     if args.text_facts and not args.multi_every:
         raise ValueError("--text-facts needs multi-picture steps: --multi-every must be >= 1, got 0")
     if not 0 <= args.tower_lr_scale <= 1:

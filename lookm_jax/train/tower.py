@@ -52,6 +52,10 @@ class PretrainConfig:
     warmup_steps: int = 20
     seed: int = 0
 
+    def __post_init__(self):
+        if self.dataset < self.batch_size:  # a batch draws batch_size distinct scenes
+            raise ValueError(f"dataset must be >= batch_size={self.batch_size}, got {self.dataset}")
+
 
 def patch_labels(scene: scenes.Scene, size: int, patch: int) -> dict[str, np.ndarray]:
     """-> {target name: [P] int32} per patch, row-major (`TARGETS`), the patch's owner being the object
