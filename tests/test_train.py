@@ -90,6 +90,34 @@ def test_killed_run_resumes_to_the_uninterrupted_parameters(tiny, tmp_path):
     assert steps == list(range(1, 8))
 
 
+def test_anchored_run_fits_its_head_lowers_the_patch_loss_and_resumes(tiny, tmp_path):
+    """With an anchor, the head is fitted on the starting tower (no stage 0 in this run), every step
+    logs stage 0's patch loss, which falls as the tower trains, a killed run resumes to the same
+    parameters (anchor batches included), and the exported weights leave the head out."""
+    from lookm_jax import loading
+
+    batch = _fixed_batch(tiny)
+    config = dataclasses.replace(_config(12), tower_learning_rate_scale=1.0, anchor_weight=1.0,
+                                 anchor_batch_size=8, anchor_scenes=32)
+
+    def run(folder, stop_after=None):
+        return vision.train(tiny, config, str(folder), batch_fn=lambda step: batch, stop_after=stop_after,
+                            progress=False)
+
+    whole = run(tmp_path / "whole")
+    records = [json.loads(line) for line in open(tmp_path / "whole" / vision.LOG)]
+    fit, steps = records[0]["anchor_head_fit"], records[1:]
+    assert set(fit) == set(tower.TARGETS) and fit["colour"] > 0.5, fit
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    assert np.mean([r["anchor_loss"] for r in steps[-3:]]) < np.mean([r["anchor_loss"] for r in steps[:3]])
+    assert set(whole) == {"vision", "projector", "head"}
+    run(tmp_path / "killed", stop_after=5)
+    chex.assert_trees_all_equal(run(tmp_path / "killed"), whole)
+    path = str(tmp_path / "vision.safetensors")
+    vision.export_weights(path, whole, {})
+    chex.assert_trees_all_equal(loading.read_demo_vision(path), {k: whole[k] for k in vision.TRAINABLE})
+
+
 def test_trained_weights_are_exported_and_read_back(tiny, tmp_path):
     from lookm_jax import loading
 
@@ -108,6 +136,10 @@ def test_train_config_refuses_bad_values():
         vision.TrainConfig(steps=10, warmup_steps=10)
     with pytest.raises(ValueError, match=r"tower_learning_rate_scale must be in \[0, 1\]"):
         vision.TrainConfig(tower_learning_rate_scale=2.0)
+    with pytest.raises(ValueError, match=r"anchor_weight must be >= 0, and > 0 only while the tower trains"):
+        vision.TrainConfig(anchor_weight=1.0)  # the tower frozen: nothing to anchor
+    with pytest.raises(ValueError, match="anchor_batch_size <= anchor_scenes"):
+        vision.TrainConfig(tower_learning_rate_scale=0.1, anchor_weight=1.0, anchor_scenes=8)
 
 
 def test_patch_labels_follow_the_drawn_objects():
@@ -126,7 +158,7 @@ def test_patch_labels_follow_the_drawn_objects():
 def test_pretraining_raises_patch_accuracy(tiny):
     cfg = tiny.config.vision  # 30 px, 6 px patches
     config = tower.PretrainConfig(steps=80, batch_size=16, dataset=64, learning_rate=3e-3, warmup_steps=4)
-    _, log = tower.pretrain(cfg, tiny.params["vision"], lambda p: tiny.preprocess_images(p)[0], config, progress=False)
+    _, _, log = tower.pretrain(cfg, tiny.params["vision"], lambda p: tiny.preprocess_images(p)[0], config, progress=False)
     assert set(log[0]) == {"pretrain_step", "loss"} | {f"{name}_accuracy" for name in tower.TARGETS}
     first, last = ({k: np.mean([r[k] for r in part]) for k in log[0]} for part in (log[:10], log[-10:]))
     assert last["loss"] < first["loss"] - 1.0
@@ -207,7 +239,9 @@ def test_train_command_refuses_bad_arguments_before_writing(tmp_path, capsys):
     out = tmp_path / "run"
     for flag, value, message in (("--tower-lr-scale", "2", "--tower-lr-scale must be in [0, 1], got 2.0"),
                                  ("--pretrain-steps", "-1", "--pretrain-steps >= 0"),
-                                 ("--pretrain-scenes", "8", "--pretrain-scenes must be >= 32 (one stage-0 batch), got 8")):
+                                 ("--pretrain-scenes", "8", "--pretrain-scenes must be >= 32 (one stage-0 batch), got 8"),
+                                 ("--anchor-weight", "1", "--anchor-weight must be >= 0, and > 0 only with "
+                                                          "--tower-lr-scale > 0, got 1.0 with --tower-lr-scale 0.0")):
         assert cli.main(["train", "vision", "--output", str(out), flag, value]) == 2
         assert message in capsys.readouterr().err
     assert not out.exists()
@@ -226,6 +260,7 @@ def test_train_command_flags_reach_the_config():
     facts = config("--text-facts", "--multi-every", "2", "--init", "w.safetensors", "--tower-lr-scale", "0.5")
     assert facts.multi.text_facts and facts.multi_every == 2 and facts.pretrain is None
     assert facts.tower_learning_rate_scale == 0.5 and facts.multi.min_pictures == plain.multi.min_pictures
+    assert plain.anchor_weight == 0 and config("--tower-lr-scale", "0.2", "--anchor-weight", "0.5").anchor_weight == 0.5
     assert config("--multi-every", "0").multi is None
     assert vision.TrainConfig().multi_every == plain.multi_every  # the library's default is the command's
     with pytest.raises(ValueError, match="--text-facts needs multi-picture steps"):

@@ -29,6 +29,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tower-lr-scale", type=float, default=0.0,
                    help="stage-1 learning rate of the tower as a fraction of the projector's, in [0, 1] "
                         "(default 0: the tower keeps its stage-0 features, as in LLaVA's stage 1)")
+    p.add_argument("--anchor-weight", type=float, default=0.0,
+                   help="keep stage 0's patch loss in the stage-1 objective at this weight while the tower trains "
+                        "(needs --tower-lr-scale > 0; default 0: no anchor)")
     p.add_argument("--pretrain-steps", type=int, default=PRETRAIN_STEPS, help="stage-0 steps (0 = skip stage 0)")
     p.add_argument("--pretrain-scenes", type=int, default=PRETRAIN_SCENES,
                    help="distinct training scenes stage 0 cycles through (at least one stage-0 batch)")
@@ -58,6 +61,9 @@ def train_config(args):
         raise ValueError("--text-facts needs multi-picture steps: --multi-every must be >= 1, got 0")
     if not 0 <= args.tower_lr_scale <= 1:
         raise ValueError(f"--tower-lr-scale must be in [0, 1], got {args.tower_lr_scale}")
+    if args.anchor_weight < 0 or (args.anchor_weight > 0 and args.tower_lr_scale == 0):
+        raise ValueError(f"--anchor-weight must be >= 0, and > 0 only with --tower-lr-scale > 0, got "
+                         f"{args.anchor_weight} with --tower-lr-scale {args.tower_lr_scale}")
     defaults = vision.TrainConfig()
     return vision.TrainConfig(
         steps=args.steps, learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
@@ -65,7 +71,7 @@ def train_config(args):
         multi=dataclasses.replace(defaults.multi, text_facts=args.text_facts) if args.multi_every else None,
         multi_every=max(args.multi_every, 1),
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
-        tower_learning_rate_scale=args.tower_lr_scale,
+        tower_learning_rate_scale=args.tower_lr_scale, anchor_weight=args.anchor_weight,
         pretrain=tower.PretrainConfig(steps=args.pretrain_steps, dataset=args.pretrain_scenes, seed=args.seed)
         if args.pretrain_steps and not args.init else None)
 

@@ -7,6 +7,10 @@ but pixels reaches the image features.
 Data for step s is a pure function of (seed, s) (`lookm_jax.train.data`), and a checkpoint holds
 the step, the trainable parameters and the optimizer state, written atomically. So a run killed
 after a checkpoint and resumed computes the same parameters as one that was never stopped.
+
+Where the tower trains too, stage 0's patch loss can stay on as an anchor (`TrainConfig.anchor_weight`):
+each step adds it on a batch of labelled scenes, through a linear head that is trained alongside
+(`params["head"]`, never exported).
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ import optax
 
 from lookm_jax.models import llama, llava
 from lookm_jax.train.data import Batch, BatchSpec, Encoder
-from lookm_jax.train.tower import PretrainConfig, pretrain
+from lookm_jax.train import tower
+from lookm_jax.train.tower import PretrainConfig
 
 CHECKPOINT = "checkpoint.msgpack"
 LOG = "log.jsonl"
-TRAINABLE = ("vision", "projector")
+TRAINABLE = ("vision", "projector")  # what a run exports; the anchor's head trains beside them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +59,11 @@ class TrainConfig:
     # features: the step then computes no gradient through the tower. Trained at the full rate, the
     # stage-0 tower's features no longer carried shape (linear probe on object patches 0.38, chance 0.33).
     tower_learning_rate_scale: float = 0.0
+    # Weight of stage 0's patch loss (`tower.patch_loss`) kept in the objective while the tower trains
+    # (0 = none): without an anchor, the tower trained through the decoder lost shape (sessions 6, 10).
+    anchor_weight: float = 0.0
+    anchor_batch_size: int = 16  # labelled scenes per step, drawn from anchor_scenes of stage 0's stream
+    anchor_scenes: int = 4096
     pretrain: PretrainConfig | None = PretrainConfig()  # stage 0 (tower alone), run before step 1
 
     def __post_init__(self):
@@ -62,6 +72,12 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.tower_learning_rate_scale <= 1:
             raise ValueError(f"tower_learning_rate_scale must be in [0, 1], got {self.tower_learning_rate_scale}")
+        if self.anchor_weight < 0 or (self.anchor_weight > 0 and self.tower_learning_rate_scale == 0):
+            raise ValueError(f"anchor_weight must be >= 0, and > 0 only while the tower trains "
+                             f"(tower_learning_rate_scale > 0), got {self.anchor_weight}, {self.tower_learning_rate_scale}")
+        if not 1 <= self.anchor_batch_size <= self.anchor_scenes:
+            raise ValueError(f"need 1 <= anchor_batch_size <= anchor_scenes, got {self.anchor_batch_size}, "
+                             f"{self.anchor_scenes}")
         if not self.learning_rate > 0 or self.warmup_steps < 0 or self.warmup_steps >= self.steps:
             raise ValueError(f"need learning_rate > 0 and 0 <= warmup_steps < steps, got "
                              f"{self.learning_rate}, {self.warmup_steps}, {self.steps}")
@@ -73,7 +89,8 @@ class TrainConfig:
 
 def optimizer(config: TrainConfig) -> optax.GradientTransformation:
     """AdamW with linear warmup and cosine decay, after global-norm clipping; the tower at
-    `tower_learning_rate_scale` of the rate (nothing when 0)."""
+    `tower_learning_rate_scale` of the rate (nothing when 0), the projector and the anchor's head at
+    the full rate."""
     def adamw(scale: float) -> optax.GradientTransformation:
         peak = scale * config.learning_rate
         schedule = optax.warmup_cosine_decay_schedule(0.0, peak, config.warmup_steps, config.steps,
@@ -84,7 +101,8 @@ def optimizer(config: TrainConfig) -> optax.GradientTransformation:
     tower = adamw(scale) if scale > 0 else optax.set_to_zero()
     return optax.chain(optax.clip_by_global_norm(config.clip_norm),
                        optax.multi_transform({"tower": tower, "projector": adamw(1.0)},
-                                             {"vision": "tower", "projector": "projector"}))
+                                             lambda params: {k: "tower" if k == "vision" else "projector"
+                                                             for k in params}))
 
 
 def answer_metrics(cfg, trainable: dict, text_params: dict, batch: dict) -> tuple[jax.Array, dict]:
@@ -108,19 +126,25 @@ def answer_metrics(cfg, trainable: dict, text_params: dict, batch: dict) -> tupl
 
 
 def make_step(cfg, tx: optax.GradientTransformation, image_norm_weight: float = 0.0,
-              train_tower: bool = True) -> Callable:
+              train_tower: bool = True, anchor_weight: float = 0.0) -> Callable:
     """(trainable, opt_state, text_params, batch) -> (trainable, opt_state, answer loss, metrics).
 
-    Minimises the answer loss + image_norm_weight x the image-norm penalty (`answer_metrics`); with
-    `train_tower` False no gradient flows into the tower. Jitted; the trainable parameters and
+    Minimises the answer loss + image_norm_weight x the image-norm penalty (`answer_metrics`) +
+    anchor_weight x stage 0's patch loss on batch["anchor"] (labelled scenes; metric "anchor_loss");
+    with `train_tower` False no gradient flows into the tower. Jitted; the trainable parameters and
     optimizer state are donated. Static through the closure: the model config, the optimizer, the
-    weight and `train_tower`. Each batch kind (its shapes) compiles once.
+    weights and `train_tower`. Each batch kind (its shapes) compiles once.
     """
     def objective(trainable, text_params, batch):
         if not train_tower:
             trainable = {**trainable, "vision": jax.lax.stop_gradient(trainable["vision"])}
         loss, metrics = answer_metrics(cfg, trainable, text_params, batch)
-        return loss + image_norm_weight * metrics["image_norm"], (loss, metrics)
+        total = loss + image_norm_weight * metrics["image_norm"]
+        if anchor_weight:
+            anchor, _ = tower.patch_loss(cfg.vision, trainable["vision"], trainable["head"], batch["anchor"])
+            metrics = {**metrics, "anchor_loss": anchor}
+            total += anchor_weight * anchor
+        return total, (loss, metrics)
 
     def step(trainable, opt_state, text_params, batch):
         (_, (loss, metrics)), grads = jax.value_and_grad(objective, has_aux=True)(trainable, text_params, batch)
@@ -200,7 +224,8 @@ def train(model, config: TrainConfig, output: str, *, trainable: dict | None = N
 
     Resumes from `output`'s checkpoint when there is one. `batch_fn(step)` overrides the scene
     batches (tests use a fixed batch); `stop_after` ends the run after that many steps of this call
-    (as a kill would, after the last checkpoint). Returns the final trainable parameters.
+    (as a kill would, after the last checkpoint). Returns the final trainable parameters (with the
+    anchor's "head" when `config.anchor_weight` > 0: stage 0's, or fitted on the starting tower).
     """
     from tqdm import tqdm
 
@@ -208,6 +233,9 @@ def train(model, config: TrainConfig, output: str, *, trainable: dict | None = N
     cfg = model.config
     text_params = model.params["text"]
     trainable = trainable if trainable is not None else {k: model.params[k] for k in TRAINABLE}
+    anchored = config.anchor_weight > 0
+    if anchored:  # the head's shape, for the optimizer and the checkpoint; its values come below
+        trainable = {**trainable, "head": tower.init_head(cfg.vision, config.seed)}
     trainable = jax.tree.map(jnp.array, trainable)  # own copies: the step donates them
     tx = optimizer(config)
     opt_state = tx.init(trainable)
@@ -215,21 +243,36 @@ def train(model, config: TrainConfig, output: str, *, trainable: dict | None = N
     restored = load_checkpoint(output, trainable, opt_state)
     image_size = cfg.pixel_shape[-1]
     encoder = Encoder.of(model) if batch_fn is None else None
+
+    def preprocess(pictures) -> np.ndarray:  # PIL images -> pixel_values, the model's own processor
+        return model.processor.preprocess(list(pictures))[0]
+
+    anchor_data = tower.labelled_scenes(cfg.vision, preprocess, "train", config.seed, tower.TRAIN_FIRST_INDEX,
+                                        config.anchor_scenes) if anchored else None
     if restored is not None:
         step, trainable, opt_state = restored
         _truncate_log(os.path.join(output, LOG), step)
-    elif config.pretrain is not None and batch_fn is None:
-        tower, records = pretrain(cfg.vision, trainable["vision"], encoder.pixels, config.pretrain,
-                                  progress=progress)
-        trainable = {**trainable, "vision": jax.device_put(tower)}
-        with open(os.path.join(output, LOG), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
-        save_checkpoint(output, 0, trainable, opt_state)
+    else:
+        records = []
+        if config.pretrain is not None and batch_fn is None:
+            vision_tower, head, records = tower.pretrain(cfg.vision, trainable["vision"], preprocess,
+                                                         config.pretrain, progress=progress)
+            trainable = {**trainable, "vision": vision_tower} | ({"head": head} if anchored else {})
+        elif anchored:
+            head, accuracy = tower.fit_head(cfg.vision, trainable["vision"], anchor_data, config.seed)
+            trainable = {**trainable, "head": head}
+            records = [{"anchor_head_fit": accuracy}]
+        if records:
+            trainable = jax.device_put(trainable)
+            with open(os.path.join(output, LOG), "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+            save_checkpoint(output, 0, trainable, opt_state)
     if batch_fn is None:
         def batch_fn(s: int) -> Batch:
             spec = config.spec(s)
             return spec.make(encoder, "train", config.seed, (s - 1) * spec.batch_size, image_size)
-    train_step = make_step(cfg, tx, config.image_norm_weight, config.tower_learning_rate_scale > 0)
+    train_step = make_step(cfg, tx, config.image_norm_weight, config.tower_learning_rate_scale > 0,
+                           config.anchor_weight)
     metrics = jax.jit(lambda t, p, b: answer_metrics(cfg, t, p, b))
     held_out = HeldOut(encoder, config, image_size) if encoder is not None else None
     last = config.steps if stop_after is None else min(config.steps, step + stop_after)
@@ -239,10 +282,14 @@ def train(model, config: TrainConfig, output: str, *, trainable: dict | None = N
     while step < last:
         step += 1
         batch = batch_fn(step)
-        trainable, opt_state, loss, step_metrics = train_step(trainable, opt_state, text_params, _arrays(batch))
+        arrays = _arrays(batch)
+        if anchored:  # seeded by the step, as the scene batches are: a resumed run draws the same
+            rng = np.random.default_rng([config.seed, step])
+            arrays["anchor"] = tower.sample_batch(anchor_data, config.anchor_batch_size, rng)
+        trainable, opt_state, loss, step_metrics = train_step(trainable, opt_state, text_params, arrays)
         tokens += int(batch.valid.sum())
-        record = {"step": step, "loss": float(loss), "accuracy": float(step_metrics["accuracy"]),
-                  "image_norm": float(step_metrics["image_norm"]),
+        record = {"step": step, "loss": float(loss),
+                  **{k: float(v) for k, v in step_metrics.items()},
                   "pictures": int(batch.pixel_values.shape[0] // batch.ids.shape[0])}
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['accuracy']:.2f}",
@@ -261,11 +308,12 @@ def train(model, config: TrainConfig, output: str, *, trainable: dict | None = N
 
 
 def export_weights(path: str, trainable: dict, metadata: dict[str, str]) -> None:
-    """The trained tower + projector as one safetensors file (flat "vision.*", "projector.*" names),
-    written atomically; `lookm_jax.loading.read_demo_vision` reads it back."""
+    """The trained tower + projector as one safetensors file (flat "vision.*", "projector.*" names;
+    an anchor's head stays out), written atomically; `lookm_jax.loading.read_demo_vision` reads it back."""
     from safetensors.numpy import save
 
     from lookm_jax.convert import store
 
-    flat = {k: np.ascontiguousarray(v, np.float32) for k, v in store.flatten(jax.device_get(trainable)).items()}
+    exported = {k: trainable[k] for k in TRAINABLE}
+    flat = {k: np.ascontiguousarray(v, np.float32) for k, v in store.flatten(jax.device_get(exported)).items()}
     _write_atomic(path, save(flat, metadata=metadata))
