@@ -30,7 +30,6 @@ import optax
 from lookm_jax.models import llama, llava
 from lookm_jax.train.data import Batch, BatchSpec, Encoder
 from lookm_jax.train import tower
-from lookm_jax.train.tower import PretrainConfig
 
 CHECKPOINT = "checkpoint.msgpack"
 LOG = "log.jsonl"
@@ -64,7 +63,7 @@ class TrainConfig:
     anchor_weight: float = 0.0
     anchor_batch_size: int = 16  # labelled scenes per step, drawn from anchor_scenes of stage 0's stream
     anchor_scenes: int = 4096
-    pretrain: PretrainConfig | None = PretrainConfig()  # stage 0 (tower alone), run before step 1
+    pretrain: tower.PretrainConfig | None = tower.PretrainConfig()  # stage 0 (tower alone), run before step 1
 
     def __post_init__(self):
         for name in ("steps", "eval_every", "checkpoint_every", "eval_samples", "multi_every"):
@@ -98,9 +97,9 @@ def optimizer(config: TrainConfig) -> optax.GradientTransformation:
         return optax.adamw(schedule, weight_decay=config.weight_decay)
 
     scale = config.tower_learning_rate_scale
-    tower = adamw(scale) if scale > 0 else optax.set_to_zero()
+    tower_tx = adamw(scale) if scale > 0 else optax.set_to_zero()
     return optax.chain(optax.clip_by_global_norm(config.clip_norm),
-                       optax.multi_transform({"tower": tower, "projector": adamw(1.0)},
+                       optax.multi_transform({"tower": tower_tx, "projector": adamw(1.0)},
                                              lambda params: {k: "tower" if k == "vision" else "projector"
                                                              for k in params}))
 
