@@ -20,6 +20,8 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
+from lookm_jax.errors import InputError
+
 FORMAT = "lookm-jax-converted"
 VERSION = 1
 MANIFEST = "lookm_config.json"
@@ -53,8 +55,22 @@ def is_converted(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MANIFEST))
 
 
+def check_replaceable(path: str) -> None:
+    """Refuse (InputError) a path `save_converted` must not write: "", or an existing path that is
+    neither a converted folder nor an empty folder."""
+    if not path:
+        raise InputError("the converted folder's path is empty")
+    if os.path.exists(path) and not (is_converted(path) or (os.path.isdir(path) and not os.listdir(path))):
+        raise InputError(f"{path} exists and is neither a converted folder nor empty; refusing to replace it")
+
+
 def save_converted(path: str, params: dict, manifest: dict[str, Any], tokenizer_json: str | None = None) -> None:
-    """Atomically write params + manifest (+ tokenizer) to the folder `path`, replacing it if present."""
+    """Atomically write params + manifest (+ tokenizer) to the folder `path`, replacing it if present.
+
+    Only a converted folder or an empty one is replaced: any other existing path (a file, a folder
+    with other contents, the working directory given as "" or ".") is refused untouched.
+    """
+    check_replaceable(path)
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)

@@ -11,8 +11,9 @@ import importlib
 import os
 import sys
 
-from lookm_jax.cli_args import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, DTYPES, HelpFormatter, add_method_arguments, add_prompt_arguments, default_images,
-                                leading_images, method_from_args, read_prompt)
+from lookm_jax.cli_args import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, DTYPES, HelpFormatter, add_method_arguments,
+                                add_prompt_arguments, default_images, finite_float, leading_images, method_from_args,
+                                read_prompt, seed_arg)
 from lookm_jax.errors import InputError
 
 # Command groups: `lookm eval NAME ...`, `lookm plot NAME ...`. Each module listed defines
@@ -113,8 +114,9 @@ def cmd_convert(args) -> int:
 
     if store.is_converted(args.src):
         raise InputError(f"{args.src} is already a converted folder")
-    if os.path.exists(args.dst) and not args.force:
+    if args.dst and os.path.exists(args.dst) and not args.force:
         raise InputError(f"{args.dst} exists; pass --force to replace it")
+    store.check_replaceable(args.dst)
     with tqdm(total=2, desc="lookm convert", unit="step", leave=False) as bar:
         bar.set_postfix_str(f"reading {args.src}")
         manifest, params, tokenizer_json = read_checkpoint(args.src)
@@ -135,8 +137,8 @@ def _add_generate(sub) -> None:
                    help="run even when prompt + new tokens exceed the model's max_position_embeddings")
     g.add_argument("--buckets", type=int, nargs="+",
                    help="extra prompt bucket lengths, added to the table (default: none beyond 64 ... 16384)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--seed", type=seed_arg, default=0, help="sampling seed")
+    g.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     g.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter and activation dtype")
     add_method_arguments(g)
@@ -152,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert a checkpoint into a converted folder (fast to load)")
     c.add_argument("src", help="HF checkpoint folder (llava-hf, original LLaVA layout, llama/qwen2) or .gguf file")
     c.add_argument("dst", help="converted folder to write (atomically)")
-    c.add_argument("--force", action="store_true", help="replace DST if it exists")
+    c.add_argument("--force", action="store_true", help="replace DST if it exists (a converted or empty folder only)")
     c.set_defaults(func=cmd_convert)
     for group, help_text in GROUP_HELP.items():
         commands = sub.add_parser(group, help=help_text).add_subparsers(dest=f"{group}_command", required=True)

@@ -7,6 +7,7 @@ it, never the other way round. Nothing here imports jax.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -27,6 +28,39 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action):
         return action.help if "default" in (action.help or "") else super()._get_help_string(action)
+
+
+MAX_SEED = 2**32 - 1
+
+
+def path_arg(text: str) -> str:
+    """argparse type of a file or folder option: "" would silently mean the default or the working
+    directory, so it is refused."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must be a path, got an empty string")
+    return text
+
+
+def seed_arg(text: str) -> int:
+    """argparse type of --seed: an int in [0, MAX_SEED]."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, {MAX_SEED}], got {text!r}") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, {MAX_SEED}], got {text}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """argparse type of a float option whose range check would let nan or inf through."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
 
 
 def add_method_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,14 +91,14 @@ def method_from_args(args):
 
 def add_prompt_arguments(parser: argparse.ArgumentParser, images: bool = True) -> None:
     """--model, --image (when `images`), --prompt / --prompt-file: the input of one chat turn."""
-    parser.add_argument("--model", help="HF llava/llama checkpoint folder, converted folder, or .gguf file "
+    parser.add_argument("--model", type=path_arg, help="HF llava/llama checkpoint folder, converted folder, or .gguf file "
                                         "(default: the embedded SmolLM2 demo model)")
     if images:
         parser.add_argument("--image", action="append",
                             help="image file, repeatable (default: the demo model's two bundled pictures; none for --model)")
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default=DEFAULT_PROMPT, help="text of the user turn")
-    prompt.add_argument("--prompt-file", help="read the user turn from this file, '-' for standard input (default: use --prompt)")
+    prompt.add_argument("--prompt-file", type=path_arg, help="read the user turn from this file, '-' for standard input (default: use --prompt)")
 
 
 def read_prompt(args) -> str:

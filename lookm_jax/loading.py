@@ -143,12 +143,16 @@ def demo_vision_init(hf_config: dict, seed: int = DEMO_SEED) -> dict:
 
 def read_demo_vision(path: str = DEMO_VISION_WEIGHTS) -> dict:
     """The shipped, trained tower + projector ({"vision": ..., "projector": ...})."""
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"the demo's trained vision weights are missing: {path} "
                                 "(reinstall lookm-jax, or train them with `lookm train vision`)")
-    return store.unflatten(load_file(path))
+    try:
+        return store.unflatten(load_file(path))
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
 
 
 def build_demo(gguf_path: str | None = None, vision: str = "trained") -> tuple[dict, dict, str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import csv
 import os
 
-from lookm_jax.cli_args import add_prompt_arguments, default_images, leading_images, read_prompt
+from lookm_jax.cli_args import add_prompt_arguments, default_images, leading_images, path_arg, read_prompt
 
 SWEEP_COLUMNS = ("label", "method", "text_prior", "merge", "budget", "length", "samples", "accuracy", "fidelity")
 METRICS = ("accuracy", "fidelity")
@@ -333,14 +333,14 @@ def add_parser(subparsers) -> None:
     s = subparsers.add_parser("sweep", help="accuracy (or fidelity) vs KV budget per method, one panel per length")
     s.add_argument("results", help=f"sweep CSV with the columns {','.join(SWEEP_COLUMNS)}")
     s.add_argument("--metric", choices=METRICS, default="accuracy", help="what the y axis shows")
-    s.add_argument("--output", help="PNG file (default: RESULTS with .png, or _fidelity.png for --metric fidelity)")
+    s.add_argument("--output", type=path_arg, help="PNG file (default: RESULTS with .png, or _fidelity.png for --metric fidelity)")
     s.set_defaults(func=cmd_sweep)
     a = subparsers.add_parser("attention", help="attention each prompt token receives per layer, by modality")
     add_prompt_arguments(a)
-    a.add_argument("--output", default="attention_by_modality.png", help="PNG file")
+    a.add_argument("--output", type=path_arg, default="attention_by_modality.png", help="PNG file")
     a.set_defaults(func=cmd_attention)
     t = subparsers.add_parser("training", help="loss and accuracy vs step of a `lookm train vision` log")
     t.add_argument("log", help="the run's log.jsonl")
-    t.add_argument("--output", help="PNG file (default: LOG with .png)")
+    t.add_argument("--output", type=path_arg, help="PNG file (default: LOG with .png)")
     t.add_argument("--title", help="figure title (default: the log's file name)")
     t.set_defaults(func=cmd_training)

@@ -143,5 +143,9 @@ def test_convert_then_load_gives_the_same_model(tiny_llava_folder, tmp_path, cap
     _fails(capsys, ["convert", str(dst), "out"], "already a converted folder")
     _fails(capsys, ["convert", str(tmp_path / "none"), "out"], "not a folder or .gguf file")
     _fails(capsys, ["convert", str(work / "bad"), "out"], "no config.json")
+    (work / "keep.txt").write_text("x")  # "" and "." name the working directory: never replaced
+    _fails(capsys, ["convert", tiny_llava_folder, ""], "path is empty")
+    _fails(capsys, ["convert", tiny_llava_folder, ".", "--force"], "neither a converted folder nor empty")
+    assert sorted(os.listdir(work)) == ["bad", "keep.txt"]
     assert cli.main(["convert", tiny_llava_folder, str(dst), "--force"]) == 0
     assert sorted(os.listdir(tmp_path)) == ["converted", "work"]  # no temporary folder left

@@ -3,6 +3,7 @@ stage-0 patch labels, and training batches that match what the model sees at inf
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -13,6 +14,7 @@ import chex
 import jax
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from lookm_jax import scenes
 from lookm_jax.train import data, tower, vision
@@ -88,6 +90,13 @@ def test_killed_run_resumes_to_the_uninterrupted_parameters(tiny, tmp_path):
     chex.assert_trees_all_equal(resumed, whole)
     steps = [json.loads(line)["step"] for line in open(tmp_path / "killed" / vision.LOG)]
     assert steps == list(range(1, 8))
+    with pytest.raises(ValueError, match=r"written with other settings \(learning_rate: 0.01 -> 0.02\)"):
+        vision.train(tiny, dataclasses.replace(_config(7), learning_rate=0.02), str(tmp_path / "killed"),
+                     batch_fn=batches.__getitem__, progress=False)
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / vision.CHECKPOINT).write_bytes(b"\x93\x01\x02\x03 not msgpack")
+    with pytest.raises(ValueError, match="not a readable checkpoint"):
+        run(tmp_path / "garbage")
 
 
 def test_anchored_run_fits_its_head_lowers_the_patch_loss_and_resumes(tiny, tmp_path):
@@ -138,6 +147,9 @@ def test_train_config_refuses_bad_values():
         vision.TrainConfig(tower_learning_rate_scale=2.0)
     with pytest.raises(ValueError, match=r"anchor_weight must be >= 0, and > 0 only while the tower trains"):
         vision.TrainConfig(anchor_weight=1.0)  # the tower frozen: nothing to anchor
+    for name in ("learning_rate", "anchor_weight"):
+        with pytest.raises(ValueError, match=f"{name} must be a finite number, got inf"):
+            vision.TrainConfig(tower_learning_rate_scale=0.1, **{name: float("inf")})
     with pytest.raises(ValueError, match="anchor_batch_size <= anchor_scenes"):
         vision.TrainConfig(tower_learning_rate_scale=0.1, anchor_weight=1.0, anchor_scenes=8)
 
@@ -241,8 +253,19 @@ def test_train_command_refuses_bad_arguments_before_writing(tmp_path, capsys):
                                  ("--pretrain-steps", "-1", "--pretrain-steps >= 0"),
                                  ("--pretrain-scenes", "8", "--pretrain-scenes must be >= 32 (one stage-0 batch), got 8"),
                                  ("--anchor-weight", "1", "--anchor-weight must be >= 0, and > 0 only with "
-                                                          "--tower-lr-scale > 0, got 1.0 with --tower-lr-scale 0.0")):
-        assert cli.main(["train", "vision", "--output", str(out), flag, value]) == 2
+                                                          "--tower-lr-scale > 0, got 1.0 with --tower-lr-scale 0.0"),
+                                 ("--stop-after", "0", "--stop-after must be >= 1 steps, got 0"),
+                                 ("--learning-rate", "inf", "argument --learning-rate: must be a finite number, got inf"),
+                                 ("--anchor-weight", "nan", "argument --anchor-weight: must be a finite number, got nan"),
+                                 ("--seed", "-1", "argument --seed: must be an integer in [0, 4294967295], got -1"),
+                                 ("--output", "", "argument --output: must be a path, got an empty string")):
+        with pytest.raises(SystemExit) if message.startswith("argument") else contextlib.nullcontext():  # argparse's
+            assert cli.main(["train", "vision", "--output", str(out), flag, value]) == 2
+        assert message in capsys.readouterr().err
+    (tmp_path / "text.safetensors").write_text("not weights")
+    save_file({"vision.patch": np.zeros(2, np.float32)}, str(tmp_path / "other.safetensors"))
+    for name, message in (("text", "not a readable safetensors file"), ("other", "not the demo's vision weights")):
+        assert cli.main(["train", "vision", "--output", str(out), "--init", str(tmp_path / f"{name}.safetensors")]) == 2
         assert message in capsys.readouterr().err
     assert not out.exists()
 

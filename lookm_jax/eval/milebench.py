@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from lookm_jax.cli_args import DTYPES, add_method_arguments, method_from_args
+from lookm_jax.cli_args import DTYPES, add_method_arguments, method_from_args, path_arg
 from lookm_jax.eval.milebench_scoring import QUESTION_TYPES, choice_letters, normalize, score
 
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -408,12 +408,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("root", help="MileBench folder: ROOT/<Dataset>/<Dataset>.json and ROOT/<Dataset>/images/")
     p.add_argument("--datasets", nargs="+", help="dataset names (default: every one present under ROOT)")
     p.add_argument("--adv", action="store_true", help="the adversarial variant (<Dataset>-adv.json)")
-    p.add_argument("--model", help="HF llava checkpoint folder or converted folder (default: the embedded demo model)")
+    p.add_argument("--model", type=path_arg, help="HF llava checkpoint folder or converted folder (default: the embedded demo model)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter and activation dtype")
     add_method_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=512, help="MileBench's setting: 512")
     p.add_argument("--max-prompt-tokens", type=int,
                    help="cut longer prompts from the left (default: the largest prompt bucket)")
     p.add_argument("--limit", type=int, help="only the first N samples of each dataset")
-    p.add_argument("--output", default="milebench_results", help="folder for predictions.jsonl and the CSV tables")
+    p.add_argument("--output", type=path_arg, default="milebench_results", help="folder for predictions.jsonl and the CSV tables")
     p.set_defaults(func=cmd_milebench)

@@ -14,7 +14,7 @@ import re
 
 import numpy as np
 
-from lookm_jax.cli_args import DEFAULT_IMAGES
+from lookm_jax.cli_args import DEFAULT_IMAGES, path_arg, seed_arg
 from lookm_jax.eval import harness
 from lookm_jax.eval.harness import (DEFAULT_BUDGETS, SweepConfig, format_table, read_rows, summarize,
                                     sweep_configs, write_csv)
@@ -212,7 +212,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("needle", help="offline multimodal needle-in-a-haystack benchmark on the demo model")
     p.add_argument("mode", choices=("calibrate", "sweep"),
                    help="calibrate: the full cache only, accuracy per length and depth; sweep: every config")
-    p.add_argument("--model", help="model folder or .gguf (default: the embedded SmolLM2 demo model)")
+    p.add_argument("--model", type=path_arg, help="model folder or .gguf (default: the embedded SmolLM2 demo model)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 1280],
                    help="prompt lengths in tokens (the demo's full cache answers >= 80%% with up to 4 pictures: "
                         "1024 and 1280 at the default image fraction)")
@@ -221,14 +221,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--budgets", type=float, nargs="+", default=list(DEFAULT_BUDGETS),
                    help="kept fractions of the prompt, each in (0, 1]")
     p.add_argument("--methods", nargs="+", help="methods to sweep (default: all; lookm = its 8 variants)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the haystacks and needles")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the haystacks and needles")
     p.add_argument("--batch-size", type=int, default=4, help="samples prefilled together")
     p.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens per answer")
     p.add_argument("--max-decode-rows", type=int, default=16, help="rows per shared decode call")
     p.add_argument("--text-only", action="store_true", help="no images (plain-text haystacks)")
     p.add_argument("--image-fraction", type=float, default=0.75, help="share of the prompt's tokens in images")
-    p.add_argument("--jsonl", help="per-sample rows, appended and resumed (default: results/needle/MODE.jsonl)")
-    p.add_argument("--output", help="summary CSV (default: docs/needle_MODE.csv)")
+    p.add_argument("--jsonl", type=path_arg, help="per-sample rows, appended and resumed (default: results/needle/MODE.jsonl)")
+    p.add_argument("--output", type=path_arg, help="summary CSV (default: docs/needle_MODE.csv)")
     p.add_argument("--first-sample", type=int, default=0,
                    help="skip the samples before this index (split a sweep over processes, one JSONL each)")
     p.add_argument("--report-only", action="store_true",

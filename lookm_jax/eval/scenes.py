@@ -20,6 +20,7 @@ import re
 import numpy as np
 
 from lookm_jax import scenes
+from lookm_jax.cli_args import path_arg, seed_arg
 from lookm_jax.eval import harness, needle
 
 TASKS = scenes.MULTI_KINDS + ("needle",)
@@ -191,7 +192,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("scenes", help="multi-picture questions whose answers are in the pictures (demo model)")
     p.add_argument("mode", choices=("calibrate", "sweep"),
                    help="calibrate: the full cache only, accuracy per task; sweep: every config")
-    p.add_argument("--model", help="model folder or .gguf (default: the embedded SmolLM2 demo model)")
+    p.add_argument("--model", type=path_arg, help="model folder or .gguf (default: the embedded SmolLM2 demo model)")
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS), help="tasks to ask")
     p.add_argument("--pictures", type=int, nargs="+", default=[8],
                    help=f"pictures per prompt, each in [2, {len(scenes.NUMBERS) - 1}]")
@@ -200,13 +201,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--budgets", type=float, nargs="+", default=list(harness.DEFAULT_BUDGETS),
                    help="kept fractions of the prompt, each in (0, 1]")
     p.add_argument("--methods", nargs="+", help="methods to sweep (default: all; lookm = its 8 variants)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the bench split's pictures and questions")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the bench split's pictures and questions")
     p.add_argument("--batch-size", type=int, default=4, help="samples prefilled together")
     p.add_argument("--max-new-tokens", type=int, default=16,
                    help="greedy tokens per answer (the needle's sentence takes ~12)")
     p.add_argument("--max-decode-rows", type=int, default=16, help="rows per shared decode call")
-    p.add_argument("--jsonl", help="per-sample rows, appended and resumed (default: results/scenes/MODE.jsonl)")
-    p.add_argument("--output", help="summary CSV in the `lookm plot sweep` format (default: docs/scenes_MODE.csv, "
+    p.add_argument("--jsonl", type=path_arg, help="per-sample rows, appended and resumed (default: results/scenes/MODE.jsonl)")
+    p.add_argument("--output", type=path_arg, help="summary CSV in the `lookm plot sweep` format (default: docs/scenes_MODE.csv, "
                                     "docs/scenes_MODE_after.csv with --ask-after-compression)")
     p.add_argument("--ask-after-compression", action="store_true",
                    help="picture tasks: prefill and compress the pictures, then feed the question through the "

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+from lookm_jax.cli_args import finite_float, path_arg, seed_arg
+
 # Stage 0's defaults (tower.PretrainConfig's; a test checks they agree): literals, so that parsing the
 # command line does not import jax.
 PRETRAIN_STEPS, PRETRAIN_SCENES = 3000, 16384
@@ -17,8 +19,8 @@ def add_parser(subparsers) -> None:
         description="Stage 0 pretrains the tower on patch labels; stage 1 trains the projector (and, with "
                     "--tower-lr-scale, the tower) on answer tokens through the frozen SmolLM2 decoder. Resumes from OUTPUT's checkpoint.")
     p.add_argument("--steps", type=int, default=400, help="stage-1 steps (the cosine schedule's length)")
-    p.add_argument("--output", required=True, help="run folder: checkpoint, log.jsonl, demo_vision.safetensors (required)")
-    p.add_argument("--learning-rate", type=float, default=2e-3, help="stage-1 peak AdamW learning rate")
+    p.add_argument("--output", type=path_arg, required=True, help="run folder: checkpoint, log.jsonl, demo_vision.safetensors (required)")
+    p.add_argument("--learning-rate", type=finite_float, default=2e-3, help="stage-1 peak AdamW learning rate")
     p.add_argument("--warmup-steps", type=int, default=30, help="stage-1 linear warmup steps")
     p.add_argument("--batch-size", type=int, default=8, help="single-picture conversations per step")
     p.add_argument("--multi-every", type=int, default=4,
@@ -26,10 +28,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--text-facts", action="store_true",
                    help="one turn of each multi-picture conversation asks about a sentence between the pictures "
                         "instead (default off; the shipped weights were trained with it)")
-    p.add_argument("--tower-lr-scale", type=float, default=0.0,
+    p.add_argument("--tower-lr-scale", type=finite_float, default=0.0,
                    help="stage-1 learning rate of the tower as a fraction of the projector's, in [0, 1] "
                         "(default 0: the tower keeps its stage-0 features, as in LLaVA's stage 1)")
-    p.add_argument("--anchor-weight", type=float, default=0.0,
+    p.add_argument("--anchor-weight", type=finite_float, default=0.0,
                    help="keep stage 0's patch loss in the stage-1 objective at this weight while the tower trains "
                         "(needs --tower-lr-scale > 0; default 0: no anchor)")
     p.add_argument("--pretrain-steps", type=int, default=PRETRAIN_STEPS, help="stage-0 steps (0 = skip stage 0)")
@@ -37,10 +39,10 @@ def add_parser(subparsers) -> None:
                    help="distinct training scenes stage 0 cycles through (at least one stage-0 batch)")
     p.add_argument("--eval-every", type=int, default=50, help="steps between held-out accuracy checks")
     p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
-    p.add_argument("--init", metavar="WEIGHTS",
+    p.add_argument("--init", metavar="WEIGHTS", type=path_arg,
                    help="start stage 1 from these exported weights (a demo_vision.safetensors; skips stage 0) "
                         "instead of the seeded tower (default: seeded tower)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the scene stream and the stage-0 head")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the scene stream and the stage-0 head")
     p.add_argument("--stop-after", type=int, help="end this call after N steps, resumable (default: run to --steps)")
     p.set_defaults(func=cmd_vision)
 
@@ -57,6 +59,8 @@ def train_config(args):
     if args.pretrain_scenes < tower.PretrainConfig.batch_size:
         raise ValueError(f"--pretrain-scenes must be >= {tower.PretrainConfig.batch_size} (one stage-0 batch), "
                          f"got {args.pretrain_scenes}")
+    if args.stop_after is not None and args.stop_after < 1:
+        raise ValueError(f"--stop-after must be >= 1 steps, got {args.stop_after}")
     if args.text_facts and not args.multi_every:
         raise ValueError("--text-facts needs multi-picture steps: --multi-every must be >= 1, got 0")
     if not 0 <= args.tower_lr_scale <= 1:
@@ -79,16 +83,23 @@ def train_config(args):
 def cmd_vision(args) -> int:
     import dataclasses
 
+    import jax
+
     from lookm_jax import loading
     from lookm_jax.train import vision
 
     config = train_config(args)
-    model = loading.demo_model(vision="init")
     start = None
     if args.init:
         if not os.path.isfile(args.init):
             raise FileNotFoundError(f"--init: no such weights file: {args.init}")
         start = loading.read_demo_vision(args.init)
+    model = loading.demo_model(vision="init")
+    if start is not None:
+        shapes = lambda tree: jax.tree.map(lambda x: tuple(x.shape), tree)  # noqa: E731
+        if shapes(start) != shapes({k: model.params[k] for k in vision.TRAINABLE}):
+            raise ValueError(f"--init {args.init}: not the demo's vision weights (the tensors and shapes "
+                             "that `lookm train vision` exports)")
     trainable = vision.train(model, config, args.output, trainable=start, stop_after=args.stop_after)
     path = os.path.join(args.output, "demo_vision.safetensors")
     vision.export_weights(path, trainable, {"train_config": json.dumps(dataclasses.asdict(config)),

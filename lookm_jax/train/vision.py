@@ -77,6 +77,9 @@ class TrainConfig:
         if not 1 <= self.anchor_batch_size <= self.anchor_scenes:
             raise ValueError(f"need 1 <= anchor_batch_size <= anchor_scenes, got {self.anchor_batch_size}, "
                              f"{self.anchor_scenes}")
+        for name in ("learning_rate", "anchor_weight"):
+            if not np.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if not self.learning_rate > 0 or self.warmup_steps < 0 or self.warmup_steps >= self.steps:
             raise ValueError(f"need learning_rate > 0 and 0 <= warmup_steps < steps, got "
                              f"{self.learning_rate}, {self.warmup_steps}, {self.steps}")
@@ -166,19 +169,45 @@ def _write_atomic(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(directory: str, step: int, trainable: dict, opt_state) -> None:
-    state = {"step": step, "trainable": jax.device_get(trainable), "opt_state": jax.device_get(opt_state)}
+# TrainConfig fields a resumed run may change: they do not move the parameters.
+_FREE_ON_RESUME = ("eval_every", "checkpoint_every", "eval_samples")
+
+
+def _settings(config: TrainConfig) -> dict:
+    """The config fields a checkpoint must be resumed with, as JSON values."""
+    settings = json.loads(json.dumps(dataclasses.asdict(config)))
+    return {k: v for k, v in settings.items() if k not in _FREE_ON_RESUME}
+
+
+def save_checkpoint(directory: str, step: int, trainable: dict, opt_state, config: TrainConfig) -> None:
+    state = {"step": step, "trainable": jax.device_get(trainable), "opt_state": jax.device_get(opt_state),
+             "settings": json.dumps(_settings(config))}
     _write_atomic(os.path.join(directory, CHECKPOINT), flax.serialization.to_bytes(state))
 
 
-def load_checkpoint(directory: str, trainable: dict, opt_state) -> tuple[int, dict, object] | None:
-    """(step, trainable, opt_state) from `directory`, shaped like the given templates; None if absent."""
+def load_checkpoint(directory: str, trainable: dict, opt_state, config: TrainConfig) -> tuple[int, dict, object] | None:
+    """(step, trainable, opt_state) from `directory`, shaped like the given templates; None if absent.
+    Refuses (ValueError) a checkpoint that cannot be read or was written with other settings."""
     path = os.path.join(directory, CHECKPOINT)
     if not os.path.exists(path):
         return None
-    template = {"step": 0, "trainable": trainable, "opt_state": opt_state}
     with open(path, "rb") as f:
-        state = flax.serialization.from_bytes(template, f.read())
+        data = f.read()
+    try:
+        state = flax.serialization.msgpack_restore(data)
+    except Exception as err:  # msgpack's errors share no base class beyond Exception
+        raise ValueError(f"{path}: not a readable checkpoint ({err}); delete it or give another --output") from None
+    saved, settings = json.loads(state.pop("settings", "{}")), _settings(config)
+    changed = "; ".join(f"{k}: {saved[k]} -> {v}" for k, v in settings.items() if k in saved and saved[k] != v)
+    if changed:
+        raise ValueError(f"{path} was written with other settings ({changed}); resume with the same flags or "
+                         "give another --output")
+    template = {"step": 0, "trainable": trainable, "opt_state": opt_state}
+    try:
+        state = flax.serialization.from_state_dict(template, state)
+    except (ValueError, KeyError) as err:
+        raise ValueError(f"{path}: does not match this run's parameters ({err}); resume with the same flags "
+                         "or give another --output") from None
     return int(state["step"]), jax.device_put(state["trainable"]), jax.device_put(state["opt_state"])
 
 
@@ -239,7 +268,7 @@ def train(model, config: TrainConfig, output: str, *, trainable: dict | None = N
     tx = optimizer(config)
     opt_state = tx.init(trainable)
     step = 0
-    restored = load_checkpoint(output, trainable, opt_state)
+    restored = load_checkpoint(output, trainable, opt_state, config)
     image_size = cfg.pixel_shape[-1]
     encoder = Encoder.of(model) if batch_fn is None else None
 
@@ -265,7 +294,7 @@ def train(model, config: TrainConfig, output: str, *, trainable: dict | None = N
             trainable = jax.device_put(trainable)
             with open(os.path.join(output, LOG), "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in records)
-            save_checkpoint(output, 0, trainable, opt_state)
+            save_checkpoint(output, 0, trainable, opt_state, config)
     if batch_fn is None:
         def batch_fn(s: int) -> Batch:
             spec = config.spec(s)
@@ -297,7 +326,7 @@ def train(model, config: TrainConfig, output: str, *, trainable: dict | None = N
             record.update(held_out(metrics, trainable, text_params))
             bar.write(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in record.items() if k != "step"))
         if step % config.checkpoint_every == 0 or step == last:
-            save_checkpoint(output, step, trainable, opt_state)
+            save_checkpoint(output, step, trainable, opt_state, config)
         record["seconds"] = round(time.perf_counter() - start, 2)
         log.write(json.dumps(record) + "\n")
         log.flush()
