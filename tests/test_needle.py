@@ -282,3 +282,5 @@ def test_cli_refuses_unknown_methods_before_loading_anything(capsys):
 
     assert main(["eval", "needle", "sweep", "--methods", "h2o", "bogus"]) == 2
     assert "unknown methods ['bogus']" in capsys.readouterr().err
+    assert main(["eval", "needle", "sweep", "--samples", "4", "--first-sample", "4"]) == 2
+    assert "--first-sample must be in [0, --samples - 1] = [0, 3], got 4" in capsys.readouterr().err

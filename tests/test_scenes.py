@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 
 import numpy as np
 import pytest
@@ -161,6 +162,7 @@ def test_eval_scenes_end_to_end_resumes_and_reports(demo, tmp_path, capsys):
     (["--budgets", "0"], "budgets must be fractions in (0, 1]"),
     (["--tasks", "needle", "--pictures", "3"], "the needle task needs --pictures >= 6, got 3"),
     (["--ask-after-compression"], "--ask-after-compression applies to the picture tasks"),
+    (["--max-decode-rows", "0"], "--max-decode-rows must be >= 1, got 0"),
 ])
 def test_eval_scenes_refuses_bad_arguments_in_one_line(argv, message, tmp_path, capsys):
     from lookm_jax.cli import main
@@ -176,6 +178,23 @@ def test_report_only_without_rows_is_refused(tmp_path, capsys):
 
     assert main(["eval", "scenes", "calibrate", "--report-only", "--jsonl", str(tmp_path / "none.jsonl")]) == 2
     assert "holds no rows" in capsys.readouterr().err
+
+
+def test_unreadable_rows_and_a_summary_over_its_rows_are_refused(tmp_path, capsys):
+    """A JSONL line that is not a row is named by its line; --output equal to --jsonl would overwrite
+    the rows; each refusal leaves the files as they were."""
+    from lookm_jax.cli import main
+
+    jsonl, output = tmp_path / "rows.jsonl", tmp_path / "t.csv"
+    row = {"label": "full", "method": "full", "budget": 1.0, "correct": True, "fidelity": 1.0}
+    for bad, message in (('{"label": "full", "bud', "line 2: not a JSON row"), ("[1, 2]", "line 2: not a benchmark row")):
+        jsonl.write_text(json.dumps(row) + "\n" + bad + "\n")
+        argv = ["eval", "scenes", "calibrate", "--report-only", "--jsonl", str(jsonl), "--output", str(output)]
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err
+    assert main(["eval", "scenes", "calibrate", "--jsonl", str(jsonl), "--output", str(jsonl)]) == 2
+    assert "--jsonl and --output are the same file" in capsys.readouterr().err
+    assert jsonl.read_text().endswith("[1, 2]\n") and sorted(os.listdir(tmp_path)) == ["rows.jsonl"]
 
 
 def test_shipped_tower_beats_chance_on_held_out_questions(demo):

@@ -18,6 +18,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from lookm_jax.errors import InputError
+
+ROW_FIELDS = ("label", "method", "budget", "correct", "fidelity")  # in every row `run_prompts` writes
 CSV_COLUMNS = ("label", "method", "text_prior", "merge", "budget", "length", "samples", "accuracy", "fidelity")
 DEFAULT_BUDGETS = (0.05, 0.1, 0.2, 0.5)
 LOOKM_MERGES = ("none", "averaged", "pivotal", "weighted")
@@ -94,9 +97,23 @@ def read_rows(path) -> list[dict]:
     last line cut short by an interrupted write is ignored (and overwritten by the next run)."""
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        lines = f.read().split("\n")
-    return [json.loads(line) for line in lines[:-1] if line.strip()]  # lines[-1]: "" or a cut line
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except UnicodeDecodeError as err:
+        raise InputError(f"{path}: not a UTF-8 JSONL of benchmark rows ({err})") from None
+    rows = []
+    for number, line in enumerate(lines[:-1], 1):  # lines[-1]: "" or a cut line
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            raise InputError(f"{path}, line {number}: not a JSON row ({err})") from None
+        if not isinstance(row, dict) or not set(ROW_FIELDS) <= row.keys():
+            raise InputError(f"{path}, line {number}: not a benchmark row (needs the fields {', '.join(ROW_FIELDS)})")
+        rows.append(row)
+    return rows
 
 
 def _drop_cut_line(path: str) -> None:
@@ -226,11 +243,23 @@ def write_csv(path: str, table: list[dict]) -> None:
     """Write the summary table atomically (a temporary file renamed into place)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp"
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        writer.writerows(table)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+            writer.writeheader()
+            writer.writerows(table)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def check_run_arguments(jsonl: str, output: str, max_decode_rows: int) -> None:
+    """Refuse (InputError) what `lookm eval needle` and `lookm eval scenes` cannot run with."""
+    if os.path.abspath(jsonl) == os.path.abspath(output):
+        raise InputError(f"--jsonl and --output are the same file ({jsonl}): the summary would overwrite the rows")
+    if max_decode_rows < 1:
+        raise InputError(f"--max-decode-rows must be >= 1, got {max_decode_rows}")
 
 
 def format_table(table: list[dict], column: str = "accuracy") -> str:

@@ -245,6 +245,9 @@ def cmd_needle(args) -> int:
     output = args.output or os.path.join("docs", f"needle_{args.mode}{suffix}.csv")
     if args.samples < 1 or args.batch_size < 1:
         raise ValueError(f"need --samples >= 1 and --batch-size >= 1, got {args.samples}, {args.batch_size}")
+    if not 0 <= args.first_sample < args.samples:
+        raise ValueError(f"--first-sample must be in [0, --samples - 1] = [0, {args.samples - 1}], got {args.first_sample}")
+    harness.check_run_arguments(jsonl, output, args.max_decode_rows)
     configs = sweep_configs(["full"] if args.mode == "calibrate" else (args.methods or METHODS), args.budgets)
     print(f"needle {args.mode}: {len(configs)} configs x lengths {args.lengths} x {args.samples} samples, "
           f"seed {args.seed}, load average {harness.load_average()}", flush=True)
