@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, OSError) as err:  # InputError, ConfigError, CheckpointError, missing files
-        if os.environ.get("LOOKM_TRACEBACK"):
+        if os.environ.get("LOOKM_TRACEBACK", "0") not in ("", "0"):
             raise
         print(f"lookm: error: {err}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ import math
 import os
 import sys
 
-from lookm_jax.errors import InputError
+from lookm_jax.errors import MAX_SEED, InputError
 from lookm_jax.models.processors import IMAGE_MARKER
 
 # The demo: two bundled scenes (lookm_jax.scenes.DEMO_SCENES), each after its "Picture k:" marker.
@@ -30,9 +30,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if "default" in (action.help or "") else super()._get_help_string(action)
 
 
-MAX_SEED = 2**32 - 1
-
-
 def path_arg(text: str) -> str:
     """argparse type of a file or folder option: "" would silently mean the default or the working
     directory, so it is refused."""
@@ -42,7 +39,7 @@ def path_arg(text: str) -> str:
 
 
 def seed_arg(text: str) -> int:
-    """argparse type of --seed: an int in [0, MAX_SEED]."""
+    """argparse type of --seed: an int in [0, MAX_SEED] (`Model.run`'s range)."""
     try:
         value = int(text)
     except ValueError:
@@ -102,19 +99,25 @@ def add_prompt_arguments(parser: argparse.ArgumentParser, images: bool = True) -
 
 
 def read_prompt(args) -> str:
-    """The user turn: --prompt-file's text (a file, or stdin for '-'), else --prompt."""
+    """The user turn: --prompt-file's text (a file, or stdin for '-'), else --prompt; refused when
+    empty or not UTF-8 (argv and stdin carry undecodable bytes as surrogates)."""
+    source = "--prompt" if args.prompt_file is None else f"--prompt-file {args.prompt_file}"
     if args.prompt_file is None:
-        return args.prompt
-    if args.prompt_file == "-":
+        text = args.prompt
+    elif args.prompt_file == "-":
         text = sys.stdin.read()
     else:
         try:
             with open(args.prompt_file, encoding="utf-8") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as err:
-            raise InputError(f"--prompt-file {args.prompt_file}: cannot be read as UTF-8 text ({err})") from None
+            raise InputError(f"{source}: cannot be read as UTF-8 text ({err})") from None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputError(f"{source}: the prompt is not valid UTF-8 text") from None
     if not text.strip():
-        raise InputError(f"--prompt-file {args.prompt_file}: the prompt is empty")
+        raise InputError(f"{source}: the prompt is empty")
     return text
 
 

@@ -7,6 +7,8 @@ was given and the range that is accepted; the CLI prints it as one line and exit
 
 from __future__ import annotations
 
+MAX_SEED = 2**32 - 1  # seeds are ints in [0, MAX_SEED]: `Model.run` and every --seed
+
 
 class InputError(ValueError):
     """A value given to the API or the CLI is outside what it accepts."""

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lookm_jax import generate as gen
-from lookm_jax.errors import InputError, PromptTooLongError
+from lookm_jax.errors import MAX_SEED, InputError, PromptTooLongError
 from lookm_jax.models import llava
 
 
@@ -36,6 +36,11 @@ class Prompt:
 def check_max_new_tokens(max_new_tokens) -> None:
     if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+
+
+def check_seed(seed) -> None:
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+        raise InputError(f"seed must be an int in [0, {MAX_SEED}], got {seed!r}")
 
 
 def token_ids(config, input_ids, attention_mask=None) -> tuple[np.ndarray, np.ndarray]:

@@ -144,6 +144,7 @@ class Model:
                                 ignore_context_limit)
         ids, valid, pixels = prompt.ids, prompt.valid, prompt.pixel_values
         sampling = gen.Sampling(temperature, top_p)
+        inputs.check_seed(seed)
         key = jax.random.key(seed)
         args = (self.config, self.params, *self._rows(ids, valid), pixels, key)
         signature = (ids.shape, None if pixels is None else pixels.shape, method, max_new_tokens, sampling)

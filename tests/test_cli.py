@@ -92,6 +92,19 @@ def test_prompt_file_problems(cli_demo, capsys):
     _fails(capsys, ["generate", "--prompt-file", "empty.txt"], "the prompt is empty")
     _fails(capsys, ["generate", "--prompt", "a", "--prompt-file", "empty.txt"], "not allowed with argument")
     _fails(capsys, ["generate", "--buckets", "0"], "--buckets must be positive")
+    _fails(capsys, ["generate", "--text-only", "--prompt", " "], "--prompt: the prompt is empty")
+    _fails(capsys, ["generate", "--prompt", "\udcff hi"], "--prompt: the prompt is not valid UTF-8 text")  # argv's b"\xff"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--temperature", "nan"], "argument --temperature: must be a finite number, got nan"),
+    (["--temperature", "inf"], "argument --temperature: must be a finite number, got inf"),
+    (["--seed", "-1"], "argument --seed: must be an integer in [0, 4294967295], got -1"),
+    (["--seed", str(2**70)], f"got {2**70}"),
+    (["--model", ""], "argument --model: must be a path, got an empty string"),
+])
+def test_sampling_seed_and_model_arguments(cli_demo, capsys, argv, needle):
+    _fails(capsys, ["generate", *argv], needle)
 
 
 def test_prompt_from_stdin_in_an_extra_bucket(cli_demo, capsys, monkeypatch):

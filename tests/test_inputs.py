@@ -116,7 +116,12 @@ def test_ids_outside_the_vocabulary_are_refused_but_placeholders_and_padding_pas
 def test_other_requests_are_refused_with_input_error(tiny, prompt):
     ids, pixels = prompt
     for kwargs, message in (({"max_new_tokens": 0}, "max_new_tokens must be an int >= 1, got 0"),
-                            ({"method": "lookm"}, "method must be a lookm_jax method")):
+                            ({"method": "lookm"}, "method must be a lookm_jax method"),
+                            ({"temperature": float("nan")}, "finite temperature >= 0 .* got temperature nan"),
+                            ({"temperature": "hot"}, "got temperature 'hot'"),
+                            ({"top_p": None}, "0 < top_p <= 1, got temperature 0.0, top_p None"),
+                            ({"seed": 1.5}, r"seed must be an int in \[0, 4294967295\], got 1.5"),
+                            ({"seed": 2**70}, f"got {2**70}")):
         with pytest.raises(InputError, match=message):
             tiny.run(ids, pixels, **{"max_new_tokens": 2, **kwargs})
     with pytest.raises(InputError, match="25 placeholder tokens .* the prompt has 0"):
