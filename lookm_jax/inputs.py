@@ -78,7 +78,7 @@ def check_bucket(length: int, buckets: Sequence[int]) -> None:
         bucket = suggest_bucket(length)
         raise PromptTooLongError(
             f"prompt of {length} tokens is longer than the largest bucket ({max(buckets)}); add a bucket: "
-            f"`--buckets {bucket}` on the command line, or `model.buckets = (*model.buckets, {bucket})`")
+            f"`model.buckets = (*model.buckets, {bucket})`, or `lookm generate --buckets {bucket}`")
 
 
 def check_context(text_config, length: int, max_new_tokens: int, ignore_context_limit: bool) -> None:
@@ -88,7 +88,7 @@ def check_context(text_config, length: int, max_new_tokens: int, ignore_context_
         raise InputError(
             f"prompt of {length} tokens + max_new_tokens={max_new_tokens} = {length + max_new_tokens} positions "
             f"exceed the model's context length ({limit}, max_position_embeddings); shorten them, or pass "
-            "ignore_context_limit=True (CLI: --ignore-context-limit) to run past it deliberately")
+            "ignore_context_limit=True (`lookm generate --ignore-context-limit`) to run past it deliberately")
 
 
 def pixel_values(config, dtype, ids: np.ndarray, valid: np.ndarray, pixels) -> jax.Array | None:

@@ -16,6 +16,7 @@ import shutil
 import pytest
 
 from conftest import IMAGE_TOKEN, tiny_llava
+from lookm_jax.eval import harness
 from lookm_jax.eval import milebench as mb
 from lookm_jax.eval.milebench_scoring import (choice_letters, match_choice, multi_choice_correct, needle_correct,
                                               normalize, rouge_l, score, substring_correct)
@@ -282,7 +283,7 @@ def test_cli_end_to_end_with_interruption_and_resume(tiny_folder, tmp_path, monk
     assert not any(p.name.endswith(".tmp") for p in out.iterdir())
 
 
-def test_cli_bad_input_writes_nothing(tmp_path, capsys):
+def test_cli_bad_input_writes_nothing(tiny_folder, tmp_path, capsys):
     from lookm_jax.cli import main
 
     out = tmp_path / "out"
@@ -290,6 +291,18 @@ def test_cli_bad_input_writes_nothing(tmp_path, capsys):
     assert "lookm: error:" in capsys.readouterr().err and not out.exists()
     assert main(["eval", "milebench", FIXTURE, "--limit", "0", "--output", str(out)]) == 2
     assert "--limit" in capsys.readouterr().err and not out.exists()
+    assert main(["eval", "milebench", FIXTURE, "--model", tiny_folder, "--max-new-tokens", "8",
+                 "--max-prompt-tokens", "100000", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--max-prompt-tokens must be in 1.." in err and "context length less --max-new-tokens" in err
+    assert not out.exists()
+    broken = tmp_path / "broken"
+    shutil.copytree(FIXTURE, broken)
+    for image in broken.rglob("*.png"):
+        image.write_bytes(image.read_bytes()[:40])  # truncated: the first sample fails
+    assert main(["eval", "milebench", str(broken), "--model", tiny_folder, "--datasets", "ActionLocalization",
+                 "--max-new-tokens", "4", "--output", str(out)]) == 2
+    assert "not a readable image" in capsys.readouterr().err and not out.exists()
 
 
 # ---- tables -----------------------------------------------------------------------------------------
@@ -311,7 +324,7 @@ def test_summary_groups_and_overall(tmp_path):
                                               "MyOwnSet", "samples"]
     assert lines[1][len(mb.CONFIG_FIELDS):] == [None, None, 25.0, None, None, 1]
     path = str(tmp_path / "t.csv")
-    mb.write_csv(path, header, lines)
+    harness.write_table(path, header, lines)
     assert open(path).read().splitlines()[2].endswith(",,,25.0,,,1")
 
 

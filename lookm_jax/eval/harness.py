@@ -240,14 +240,20 @@ def summarize(rows: list[dict], length: Callable[[dict], int] = lambda r: r["len
 
 
 def write_csv(path: str, table: list[dict]) -> None:
-    """Write the summary table atomically (a temporary file renamed into place)."""
+    """Write the summary table (CSV_COLUMNS) atomically."""
+    write_table(path, list(CSV_COLUMNS), [[row[c] for c in CSV_COLUMNS] for row in table])
+
+
+def write_table(path: str, header: list[str], lines: list[list]) -> None:
+    """A CSV written atomically: a temporary file renamed into place, removed if the write fails.
+    None is written as an empty cell."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp"
     try:
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-            writer.writeheader()
-            writer.writerows(table)
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f)
+            writer.writerow(header)
+            writer.writerows([["" if v is None else v for v in line] for line in lines])
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

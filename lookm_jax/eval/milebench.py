@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from lookm_jax.cli_args import DTYPES, add_method_arguments, method_from_args, path_arg
+from lookm_jax.eval import harness
 from lookm_jax.eval.milebench_scoring import QUESTION_TYPES, choice_letters, normalize, score
 
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -257,8 +258,9 @@ def drop_partial_line(path: str) -> bool:
 def evaluate(model, samples: list[Sample], method, config: dict, output: str) -> list[dict]:
     """Generate and score every sample not yet in OUTPUT/predictions.jsonl for this config, appending
     one record per sample as it finishes. Returns all records of the file (every config)."""
-    from PIL import Image
     from tqdm import tqdm
+
+    from lookm_jax.inputs import open_image
 
     path = os.path.join(output, PREDICTIONS)
     if drop_partial_line(path):
@@ -268,12 +270,12 @@ def evaluate(model, samples: list[Sample], method, config: dict, output: str) ->
     todo = [s for s in samples if (s.dataset, s.sample_id) not in done]
     if len(todo) < len(samples):
         print(f"resuming: {len(samples) - len(todo)} of {len(samples)} samples already in {path}")
-    with open(path, "a", encoding="utf-8") as out, tqdm(total=len(todo), unit="sample", desc="milebench") as bar:
+    with tqdm(total=len(todo), unit="sample", desc="milebench") as bar:
         for sample in todo:
             bar.set_postfix_str(sample.dataset, refresh=False)
             prompt = build_prompt(model, sample, config["max_prompt_tokens"])
             # MileBench's LLaVA worker opens images with .convert("RGB") (no compositing onto white).
-            pixels = (model.preprocess_images([Image.open(p).convert("RGB") for p in prompt.images])[0]
+            pixels = (model.preprocess_images([open_image(p).convert("RGB") for p in prompt.images])[0]
                       if prompt.images else None)
             start = time.perf_counter()
             result = model.run(prompt.input_ids, pixels, max_new_tokens=config["max_new_tokens"], method=method)
@@ -289,8 +291,9 @@ def evaluate(model, samples: list[Sample], method, config: dict, output: str) ->
                 "kept_text_tokens": float(result.kept_text_tokens[0]), "cache_bytes": result.cache_bytes,
                 "full_cache_bytes": result.full_cache_bytes, "seconds": time.perf_counter() - start,
             }
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
-            out.flush()
+            os.makedirs(output, exist_ok=True)  # on the first record: a run refused before it writes nothing
+            with open(path, "a", encoding="utf-8") as out:
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
             bar.update()
     return read_predictions(path)
 
@@ -343,18 +346,6 @@ def table(rows: list[Row], by: str) -> tuple[list[str], list[list]]:
     return header, lines
 
 
-def write_csv(path: str, header: list[str], lines: list[list]) -> None:
-    """Atomically (a temporary file, then a rename)."""
-    import csv
-
-    tmp = path + ".tmp"
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(header)
-        writer.writerows([["" if v is None else v for v in line] for line in lines])
-    os.replace(tmp, path)
-
-
 def format_table(header: list[str], lines: list[list]) -> str:
     """Plain-text table; the method (and adv) stand for the config, the other config fields are in the CSV."""
     skip = {i for i, h in enumerate(header) if h in CONFIG_FIELDS and h not in ("method", "adv")}
@@ -385,18 +376,21 @@ def cmd_milebench(args) -> int:
     if model.processor.tiling:
         raise ValueError("tiling models (HF-format InternVL) are not supported by the MileBench harness yet: "
                          "their image token counts depend on each image's tiles")
-    max_prompt = max(model.buckets) if args.max_prompt_tokens is None else args.max_prompt_tokens
-    if not 0 < max_prompt <= max(model.buckets):
-        raise ValueError(f"--max-prompt-tokens must be in 1..{max(model.buckets)} (the largest bucket), "
-                         f"got {max_prompt}")
+    # A prompt must fit the largest bucket and, with its answer, the model's context.
+    longest = min(max(model.buckets), model.text_config.max_position_embeddings - args.max_new_tokens)
+    max_prompt = longest if args.max_prompt_tokens is None else args.max_prompt_tokens
+    if not 0 < max_prompt <= longest:
+        raise ValueError(f"--max-prompt-tokens must be in 1..{longest} (the largest bucket, and the context "
+                         f"length less --max-new-tokens), got {max_prompt}")
     config = {"model": os.path.abspath(args.model) if args.model else "default", "method": method_label(method),
               "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": max_prompt,
               "adv": args.adv}
-    os.makedirs(args.output, exist_ok=True)
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise ValueError(f"--output {args.output} is a file; give a folder for predictions and tables")
     rows = summarize(evaluate(model, samples, method, config, args.output))
     for by, name in (("datasets", DATASETS_CSV), ("groups", GROUPS_CSV)):
         header, lines = table(rows, by)
-        write_csv(os.path.join(args.output, name), header, lines)
+        harness.write_table(os.path.join(args.output, name), header, lines)
         print(f"\nMileBench by {by[:-1]} (score x100; {os.path.join(args.output, name)}):")
         print(format_table(header, lines))
     return 0
@@ -413,7 +407,8 @@ def add_parser(subparsers) -> None:
     add_method_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=512, help="MileBench's setting: 512")
     p.add_argument("--max-prompt-tokens", type=int,
-                   help="cut longer prompts from the left (default: the largest prompt bucket)")
+                   help="cut longer prompts from the left (default: the most that fits the largest bucket and the "
+                        "context with --max-new-tokens)")
     p.add_argument("--limit", type=int, help="only the first N samples of each dataset")
     p.add_argument("--output", type=path_arg, default="milebench_results", help="folder for predictions.jsonl and the CSV tables")
     p.set_defaults(func=cmd_milebench)
