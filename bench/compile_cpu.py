@@ -27,6 +27,7 @@ from lookm_jax.convert.hf import parse_config
 from lookm_jax.convert.tables import llama_shapes
 from lookm_jax.models import llama, llava
 from lookm_jax.models.config import LlamaConfig, RopeConfig
+from bench_args import at_least, json_path
 from sizes import CONFIGS, abstract_params, param_shapes
 
 SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
@@ -69,10 +70,10 @@ def compile_seconds(cfg, params, length: int, method) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--memory-lengths", type=int, nargs="*", default=[8192, 32768, 131072])
-    parser.add_argument("--compile-lengths", type=int, nargs="*", default=[1024, 8192])
-    parser.add_argument("--models", nargs="+", default=["SmolLM2-135M", "LLaVA-v1.5-7B"])
-    parser.add_argument("--json", help="also write every figure to this JSON file")
+    parser.add_argument("--memory-lengths", type=at_least(64), nargs="*", default=[8192, 32768, 131072])
+    parser.add_argument("--compile-lengths", type=at_least(64), nargs="*", default=[1024, 8192])
+    parser.add_argument("--models", nargs="+", choices=["SmolLM2-135M", *CONFIGS], default=["SmolLM2-135M", "LLaVA-v1.5-7B"])
+    parser.add_argument("--json", type=json_path, help="also write every figure to this JSON file")
     args = parser.parse_args()
     lookm = get_method("lookm", budget=0.2)
     out = {"memory": [], "compile": []}

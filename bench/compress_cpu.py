@@ -36,6 +36,7 @@ import time
 
 import numpy as np
 
+from bench_args import at_least, json_path
 from decode_cpu import WORDS, cache_attention_time, peak_rss_mib, read_bandwidth_gbs, weight_dots_time
 
 IMAGE_FRACTION = 0.8
@@ -139,11 +140,11 @@ def time_configs(model, ids, pixels, configs: dict, new_tokens: int, repeats: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--length", type=int, default=4096, help="prompt tokens of the speed runs")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rss-lengths", type=int, nargs="*", default=[4096, 8192, 16384])
-    parser.add_argument("--json", help="also write every printed figure to this JSON file")
+    parser.add_argument("--length", type=at_least(256), default=4096, help="prompt tokens of the speed runs")
+    parser.add_argument("--new-tokens", type=at_least(1), default=64)
+    parser.add_argument("--repeats", type=at_least(1), default=3)
+    parser.add_argument("--rss-lengths", type=at_least(256), nargs="*", default=[4096, 8192, 16384])
+    parser.add_argument("--json", type=json_path, help="also write every printed figure to this JSON file")
     parser.add_argument("--rss-child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rss_child:

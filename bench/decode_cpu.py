@@ -23,6 +23,8 @@ import time
 
 import numpy as np
 
+from bench_args import at_least, json_path
+
 WORDS = ("river mountain bread window garden music winter paper silver forest market candle ocean letter "
          "bridge quiet bright old busy cold morning evening station harbour library orchard").split()
 
@@ -184,9 +186,9 @@ def read_bandwidth_gbs(n_bytes: int = 2**30) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--json", help="also write every printed figure to this JSON file")
+    parser.add_argument("--lengths", type=at_least(64), nargs="+", default=[512, 2048])
+    parser.add_argument("--new-tokens", type=at_least(1), default=64)
+    parser.add_argument("--json", type=json_path, help="also write every printed figure to this JSON file")
     parser.add_argument("--engine", choices=("ours", "hf"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 
 from lookm_jax import scenes
+from bench_args import json_path
 
 INSTRUCTION = " Answer with one word."
 
@@ -47,12 +47,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=60, help="held-out questions (the 4 kinds in turn)")
     parser.add_argument("--max-new-tokens", type=int, default=14, help="greedy tokens per answer")
-    parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH")
+    parser.add_argument("--json", metavar="PATH", type=json_path, help="also write the figures to PATH")
     args = parser.parse_args()
     if args.samples < 1 or args.max_new_tokens < 1:
         parser.error(f"--samples and --max-new-tokens must be >= 1, got {args.samples}, {args.max_new_tokens}")
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        parser.error(f"--json {args.json}: its folder does not exist")
 
     import numpy as np
 

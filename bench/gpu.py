@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_args import at_least, json_path
 from decode_cpu import read_bandwidth_gbs
 from lookm_jax import LONG_BUCKETS, Model, get_method
 from lookm_jax.convert.hf import parse_config
@@ -100,10 +101,10 @@ def decoder_step_bytes(params: dict) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny config on CPU: checks that the script runs")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--long-lengths", type=int, nargs="*", default=[])
-    parser.add_argument("--json", help="also write every printed figure to this JSON file")
+    parser.add_argument("--new-tokens", type=at_least(1), default=64)
+    parser.add_argument("--repeats", type=at_least(1), default=3)
+    parser.add_argument("--long-lengths", type=at_least(1), nargs="*", default=[])
+    parser.add_argument("--json", type=json_path, help="also write every printed figure to this JSON file")
     args = parser.parse_args()
     if args.tiny:
         jax.config.update("jax_platforms", "cpu")
@@ -111,6 +112,10 @@ def main() -> None:
     else:
         cfg, dtype, length, bandwidth_bytes = parse_config(CONFIGS["LLaVA-v1.5-7B"]), jnp.bfloat16, 4096, 2**32
     cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, eos_token_ids=()))  # decode every step
+    image_tokens = N_IMAGES * cfg.image_seq_length
+    if any(n < image_tokens for n in args.long_lengths):
+        parser.error(f"--long-lengths must each be >= {image_tokens} (the prompt's {N_IMAGES} images), "
+                     f"got {args.long_lengths}")
     start = time.perf_counter()
     model = Model(config=cfg, params=random_params(cfg, dtype), manifest={}, buckets=LONG_BUCKETS)
     jax.block_until_ready(model.params)

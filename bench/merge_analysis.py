@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from bench_args import json_path
+
 COLUMNS = ("evicted_image", "text_slots", "absorbed_text", "absorbed_image", "absorbed_max", "image_into_text",
            "image_into_recent_text", "cosine_image_text", "cosine_image_image")
 
@@ -24,7 +26,7 @@ def main() -> None:
     parser.add_argument("--pictures", type=int, default=8, help="pictures per prompt")
     parser.add_argument("--samples", type=int, default=8, help="prompts per task")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.5], help="kept fractions")
-    parser.add_argument("--json", metavar="PATH", help="also write every figure to PATH")
+    parser.add_argument("--json", metavar="PATH", type=json_path, help="also write every figure to PATH")
     args = parser.parse_args()
 
     import lookm_jax

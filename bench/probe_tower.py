@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from bench_args import json_path
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -22,7 +24,7 @@ def main() -> None:
     source.add_argument("--init", action="store_true", help="the seeded, untrained tower")
     parser.add_argument("--train", type=int, default=1024, help="training scenes the probes are fitted on")
     parser.add_argument("--heldout", type=int, default=256, help="held-out scenes they are read on")
-    parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH")
+    parser.add_argument("--json", metavar="PATH", type=json_path, help="also write the figures to PATH")
     args = parser.parse_args()
     if args.train < 1 or args.heldout < 1:
         parser.error(f"--train and --heldout must be >= 1, got {args.train}, {args.heldout}")

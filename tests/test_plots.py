@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import lookm_jax
+from lookm_jax.errors import InputError
 from conftest import image_ids, tiny_llava
 from lookm_jax import cli, cli_args, plots
 from lookm_jax.analysis import attention_received, modality_summary
@@ -58,6 +59,12 @@ def test_attention_received_takes_one_prompt(tmp_path):
     model = lookm_jax.load(str(tmp_path))
     with pytest.raises(ValueError, match="one prompt"):
         attention_received(model, np.ones((2, 8), np.int32))
+    limit = model.text_config.max_position_embeddings
+    model.buckets = (*model.buckets, limit + 64)  # a bucket beyond the context: the context is the limit
+    with pytest.raises(InputError, match=f"exceed the model's context length \\({limit}"):
+        attention_received(model, np.ones((1, limit + 1), np.int32))
+    with pytest.raises(InputError, match="input_ids must be integer token ids"):
+        attention_received(model, np.ones((1, 8), np.float32))
 
 
 def test_modality_summary_against_direct_sums():

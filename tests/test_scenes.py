@@ -268,7 +268,7 @@ def test_decoder_ceiling_bench_describes_scenes_and_scores_content(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     bad = subprocess.run([sys.executable, "bench/decoder_ceiling.py", "--json", str(tmp_path / "none" / "x.json")],
                          cwd=root, capture_output=True, text=True, timeout=600)
-    assert bad.returncode == 2 and "its folder does not exist" in bad.stderr
+    assert bad.returncode == 2 and "argument --json: must be a file in an existing folder" in bad.stderr
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"plain", "one-word instruction"}
     for by_rule in results.values():

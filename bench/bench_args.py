@@ -1,0 +1,28 @@
+"""argparse types shared by the bench scripts: a bad value ends the script at once with argparse's
+one-line error, before anything is loaded or measured."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def at_least(minimum: int):
+    """The type of an int option that must be >= `minimum`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def json_path(text: str) -> str:
+    """--json: a file whose folder exists, so that a run is not lost at its very end."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if not text.strip() or not os.path.isdir(folder) or os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"must be a file in an existing folder, got {text!r}")
+    return text

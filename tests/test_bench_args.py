@@ -1,0 +1,29 @@
+"""The bench scripts refuse bad arguments with argparse's one-line error (exit 2) before they load
+or measure anything."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("decode_cpu.py", ["--new-tokens", "0"], "argument --new-tokens: must be an integer >= 1, got 0"),
+    ("decode_cpu.py", ["--lengths", "10"], "argument --lengths: must be an integer >= 64, got 10"),
+    ("compress_cpu.py", ["--length", "10"], "argument --length: must be an integer >= 256, got 10"),
+    ("compress_cpu.py", ["--repeats", "0"], "argument --repeats: must be an integer >= 1, got 0"),
+    ("compress_cpu.py", ["--json", "/nonexistent/x.json"], "argument --json: must be a file in an existing folder"),
+    ("compile_cpu.py", ["--models", "Bogus"], "argument --models: invalid choice: 'Bogus'"),
+    ("compile_cpu.py", ["--memory-lengths", "-5"], "argument --memory-lengths: must be an integer >= 64, got -5"),
+    ("gpu.py", ["--tiny", "--long-lengths", "100"], "--long-lengths must each be >= 150"),
+    ("gpu.py", ["--tiny", "--json", BENCH], "argument --json: must be a file in an existing folder"),
+])
+def test_bench_scripts_refuse_bad_arguments(script, argv, message):
+    proc = subprocess.run([sys.executable, script, *argv], cwd=BENCH, capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and message in lines[-1] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
