@@ -60,6 +60,8 @@ def cmd_generate(args) -> int:
     from lookm_jax.inputs import open_image
 
     method = method_from_args(args)  # bad options, prompt files and images are refused before the model loads
+    if args.text_only and args.image:
+        raise InputError("--text-only asks for no images; drop --image or --text-only")
     prompt = read_prompt(args)
     pictures = [open_image(path) for path in args.image or ()]
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]

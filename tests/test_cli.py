@@ -94,6 +94,7 @@ def test_prompt_file_problems(cli_demo, capsys):
     _fails(capsys, ["generate", "--buckets", "0"], "--buckets must be positive")
     _fails(capsys, ["generate", "--text-only", "--prompt", " "], "--prompt: the prompt is empty")
     _fails(capsys, ["generate", "--prompt", "\udcff hi"], "--prompt: the prompt is not valid UTF-8 text")  # argv's b"\xff"
+    _fails(capsys, ["generate", "--text-only", "--image", "x.png"], "--text-only asks for no images")
 
 
 @pytest.mark.parametrize("argv,needle", [

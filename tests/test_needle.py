@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import os
 import re
 
 import chex
@@ -284,3 +285,18 @@ def test_cli_refuses_unknown_methods_before_loading_anything(capsys):
     assert "unknown methods ['bogus']" in capsys.readouterr().err
     assert main(["eval", "needle", "sweep", "--samples", "4", "--first-sample", "4"]) == 2
     assert "--first-sample must be in [0, --samples - 1] = [0, 3], got 4" in capsys.readouterr().err
+    assert main(["eval", "needle", "calibrate", "--methods", "h2o"]) == 2
+    assert "calibrate runs the full cache only; --methods is for sweep" in capsys.readouterr().err
+    assert main(["eval", "needle", "calibrate", "--text-only", "--image-fraction", "0.5"]) == 2
+    assert "--text-only has no images" in capsys.readouterr().err
+
+
+def test_lengths_beyond_the_buckets_are_refused_before_any_haystack_is_built(tmp_path, capsys):
+    from lookm_jax.cli import main
+
+    argv = ["eval", "needle", "calibrate", "--jsonl", str(tmp_path / "r.jsonl"), "--output", str(tmp_path / "t.csv")]
+    assert main([*argv, "--lengths", "1024", "100000000"]) == 2
+    assert "prompt of 100000000 tokens is longer than the largest bucket" in capsys.readouterr().err
+    assert main([*argv, "--lengths", "9000"]) == 2
+    assert "exceed the model's context length (8192" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)

@@ -260,12 +260,14 @@ def write_table(path: str, header: list[str], lines: list[list]) -> None:
             os.remove(tmp)
 
 
-def check_run_arguments(jsonl: str, output: str, max_decode_rows: int) -> None:
+def check_run_arguments(args, jsonl: str, output: str) -> None:
     """Refuse (InputError) what `lookm eval needle` and `lookm eval scenes` cannot run with."""
     if os.path.abspath(jsonl) == os.path.abspath(output):
         raise InputError(f"--jsonl and --output are the same file ({jsonl}): the summary would overwrite the rows")
-    if max_decode_rows < 1:
-        raise InputError(f"--max-decode-rows must be >= 1, got {max_decode_rows}")
+    if args.max_decode_rows < 1:
+        raise InputError(f"--max-decode-rows must be >= 1, got {args.max_decode_rows}")
+    if args.mode == "calibrate" and args.methods:
+        raise InputError("calibrate runs the full cache only; --methods is for sweep")
 
 
 def format_table(table: list[dict], column: str = "accuracy") -> str:

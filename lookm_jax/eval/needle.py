@@ -14,6 +14,7 @@ import re
 
 import numpy as np
 
+from lookm_jax import inputs
 from lookm_jax.cli_args import DEFAULT_IMAGES, path_arg, seed_arg
 from lookm_jax.eval import harness
 from lookm_jax.eval.harness import (DEFAULT_BUDGETS, SweepConfig, format_table, read_rows, summarize,
@@ -160,6 +161,9 @@ def run_sweep(model, configs: list[SweepConfig], lengths, n: int, seed: int, jso
     it (to split a sweep over processes, each with its own JSONL). Returns every row of the file for
     these settings."""
     image_seq_length = 0 if text_only else model.config.image_seq_length
+    for length in lengths:  # before any haystack is built
+        inputs.check_bucket(length, model.buckets)
+        inputs.check_context(model.text_config, length, max_new_tokens, ignore_context_limit=False)
     batches = []
     for length in lengths:
         samples = make_samples(model.tokenizer, length, n, seed, image_seq_length=image_seq_length,
@@ -226,7 +230,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens per answer")
     p.add_argument("--max-decode-rows", type=int, default=16, help="rows per shared decode call")
     p.add_argument("--text-only", action="store_true", help="no images (plain-text haystacks)")
-    p.add_argument("--image-fraction", type=float, default=0.75, help="share of the prompt's tokens in images")
+    p.add_argument("--image-fraction", type=float,
+                   help="share of the prompt's tokens in images, in [0, 1) (default: 0.75; not with --text-only)")
     p.add_argument("--jsonl", type=path_arg, help="per-sample rows, appended and resumed (default: results/needle/MODE.jsonl)")
     p.add_argument("--output", type=path_arg, help="summary CSV (default: docs/needle_MODE.csv)")
     p.add_argument("--first-sample", type=int, default=0,
@@ -243,11 +248,15 @@ def cmd_needle(args) -> int:
     suffix = "-text" if args.text_only else ""
     jsonl = args.jsonl or os.path.join("results", "needle", f"{args.mode}{suffix}.jsonl")
     output = args.output or os.path.join("docs", f"needle_{args.mode}{suffix}.csv")
-    if args.samples < 1 or args.batch_size < 1:
-        raise ValueError(f"need --samples >= 1 and --batch-size >= 1, got {args.samples}, {args.batch_size}")
+    if args.samples < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
+        raise ValueError(f"need --samples, --batch-size and --max-new-tokens >= 1, got {args.samples}, "
+                         f"{args.batch_size}, {args.max_new_tokens}")
     if not 0 <= args.first_sample < args.samples:
         raise ValueError(f"--first-sample must be in [0, --samples - 1] = [0, {args.samples - 1}], got {args.first_sample}")
-    harness.check_run_arguments(jsonl, output, args.max_decode_rows)
+    harness.check_run_arguments(args, jsonl, output)
+    if args.text_only and args.image_fraction is not None:
+        raise ValueError("--image-fraction sets the images' share of the prompt; --text-only has no images")
+    image_fraction = 0.75 if args.image_fraction is None else args.image_fraction
     configs = sweep_configs(["full"] if args.mode == "calibrate" else (args.methods or METHODS), args.budgets)
     print(f"needle {args.mode}: {len(configs)} configs x lengths {args.lengths} x {args.samples} samples, "
           f"seed {args.seed}, load average {harness.load_average()}", flush=True)
@@ -258,7 +267,7 @@ def cmd_needle(args) -> int:
     else:
         model = lookm_jax.load(args.model) if args.model else lookm_jax.load_default()
         rows = run_sweep(model, configs, args.lengths, args.samples, args.seed, jsonl, text_only=args.text_only,
-                         image_fraction=args.image_fraction, batch_size=args.batch_size,
+                         image_fraction=image_fraction, batch_size=args.batch_size,
                          max_new_tokens=args.max_new_tokens, max_decode_rows=args.max_decode_rows,
                          first_sample=args.first_sample, log=lambda s: print(s, flush=True))
     table = summarize(rows)

@@ -228,7 +228,7 @@ def cmd_scenes(args) -> int:
     if args.samples < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise ValueError(f"need --samples, --batch-size and --max-new-tokens >= 1, got {args.samples}, "
                          f"{args.batch_size}, {args.max_new_tokens}")
-    harness.check_run_arguments(jsonl, output, args.max_decode_rows)
+    harness.check_run_arguments(args, jsonl, output)
     bad = [p for p in args.pictures if not 2 <= p < len(scenes.NUMBERS)]
     if bad:
         raise ValueError(f"--pictures must each be in [2, {len(scenes.NUMBERS) - 1}], got {bad}")
