@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Callable
 
@@ -12,7 +11,7 @@ from tqdm.auto import tqdm
 
 from lookm_jax.convert import original_llava, tables
 from lookm_jax.convert.internvl import internvl_vision_params
-from lookm_jax.convert.tables import CheckpointError, apply_table
+from lookm_jax.convert.tables import CheckpointError, apply_table, read_json_object
 from lookm_jax.models.config import LlamaConfig, LlavaConfig
 from lookm_jax.models.internvit import InternViTLlavaConfig
 from lookm_jax.models.internvl import InternVLConfig
@@ -43,8 +42,7 @@ def parse_config(hf_config: dict[str, Any]) -> ModelConfig:
 def _shard_files(folder: str) -> list[str]:
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = read_json_object(index, ("weight_map",))["weight_map"]
         files = sorted(set(weight_map.values()))
     elif os.path.exists(os.path.join(folder, "model.safetensors")):
         files = ["model.safetensors"]
@@ -119,8 +117,7 @@ def load_hf_folder(folder: str, dtype=np.float32) -> tuple[dict[str, Any], Model
     config_path = os.path.join(folder, "config.json")
     if not os.path.exists(config_path):
         raise CheckpointError(f"{folder}: no config.json")
-    with open(config_path) as f:
-        hf_config = json.load(f)
+    hf_config = read_json_object(config_path)
     hf_config = original_llava.with_local_tower_config(hf_config, folder)
     config = parse_config(hf_config)
     return hf_config, config, params_from_hf(config, read_safetensors(folder), dtype)

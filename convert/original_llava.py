@@ -14,7 +14,6 @@ Checkpoint names (`tables.canonical_name` rewrites them): `model.vision_tower.vi
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -159,8 +158,7 @@ def with_local_tower_config(hf_config: dict[str, Any], folder: str) -> dict[str,
     for base in (os.getcwd(), folder):
         path = os.path.join(base, name, "config.json")
         if os.path.isfile(path):
-            with open(path) as f:
-                return {**hf_config, "vision_config": json.load(f)}
+            return {**hf_config, "vision_config": tables.read_json_object(path)}
     return hf_config
 
 

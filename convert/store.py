@@ -20,6 +20,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
+from lookm_jax.convert.tables import read_json_object
 from lookm_jax.errors import InputError
 
 FORMAT = "lookm-jax-converted"
@@ -96,11 +97,12 @@ def save_converted(path: str, params: dict, manifest: dict[str, Any], tokenizer_
 
 def load_converted(path: str) -> tuple[dict[str, Any], dict, str | None]:
     """-> (manifest, numpy params tree, tokenizer json or None)."""
-    with open(os.path.join(path, MANIFEST)) as f:
-        manifest = json.load(f)
+    manifest = read_json_object(os.path.join(path, MANIFEST))
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise ValueError(f"{path}: not a {FORMAT} v{VERSION} folder (found {manifest.get('format')!r} "
                          f"v{manifest.get('version')!r}); convert the checkpoint again")
+    if not isinstance(manifest.get("hf_config"), dict):
+        raise ValueError(f"{path}: {MANIFEST} has no hf_config object; convert the checkpoint again")
     try:
         params = unflatten(load_file(os.path.join(path, PARAMS)))
     except (SafetensorError, OSError) as err:

@@ -7,6 +7,7 @@ are stacked on a leading layer axis under our path. Transforms turn torch layout
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Callable
 
@@ -19,6 +20,22 @@ Transform = Callable[[np.ndarray], np.ndarray] | None
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or holds tensors that do not fit its config."""
+
+
+def read_json_object(path: str, required: tuple[str, ...] = ()) -> dict:
+    """A checkpoint's JSON file that must hold an object (with the `required` keys); anything else
+    raises CheckpointError naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (ValueError, OSError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{path}: not a readable JSON file ({err})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, got a {type(data).__name__}")
+    missing = [key for key in required if key not in data]
+    if missing:
+        raise CheckpointError(f"{path}: missing {', '.join(missing)}")
+    return data
 
 
 def _t(w: np.ndarray) -> np.ndarray:

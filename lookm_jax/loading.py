@@ -9,7 +9,6 @@ offline. It is converted once and cached as safetensors (see convert/store.py).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -20,6 +19,7 @@ import numpy as np
 
 from lookm_jax.convert import original_llava, store
 from lookm_jax.convert.hf import load_hf_folder, parse_config, params_from_hf
+from lookm_jax.convert.tables import CheckpointError, read_json_object
 from lookm_jax.model import Model
 from lookm_jax.models import llama, llava
 
@@ -51,7 +51,12 @@ def cache_dir() -> str:
 def _tokenizer_from_json(tokenizer_json: str | None):
     from tokenizers import Tokenizer
 
-    return None if tokenizer_json is None else Tokenizer.from_str(tokenizer_json)
+    if tokenizer_json is None:
+        return None
+    try:
+        return Tokenizer.from_str(tokenizer_json)
+    except Exception as err:  # tokenizers raises a bare Exception for a malformed file
+        raise CheckpointError(f"the model's tokenizer.json is not a tokenizers file ({err})") from None
 
 
 def _to_jax(config, params: dict, dtype) -> dict:
@@ -77,8 +82,7 @@ def _read_hf(folder: str) -> tuple[dict, dict, str | None]:
     for name in ("tokenizer_config.json", "preprocessor_config.json"):
         path = os.path.join(folder, name)
         if os.path.exists(path):
-            with open(path) as f:
-                data = json.load(f)
+            data = read_json_object(path)
             if name == "tokenizer_config.json" and data.get("chat_template"):
                 manifest["chat_template"] = data["chat_template"]
             if name == "preprocessor_config.json":

@@ -86,6 +86,15 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
 
     def __post_init__(self):
+        sizes = {"vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "intermediate_size":
+                 self.intermediate_size, "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+                 "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                 "max_position_embeddings": self.max_position_embeddings}
+        bad = {name: value for name, value in sizes.items() if not value >= 1}
+        if bad:
+            raise ConfigError(f"config sizes must be >= 1, got {bad}")
+        if not (self.rms_norm_eps > 0 and self.rope.theta > 0):  # also refuses NaN
+            raise ConfigError(f"rms_norm_eps and rope_theta must be > 0, got {self.rms_norm_eps}, {self.rope.theta}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_attention_heads={self.num_heads} is not a multiple of "
                               f"num_key_value_heads={self.num_kv_heads}")
@@ -116,6 +125,15 @@ class LlamaConfig:
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if "rope_theta" in d and "rope_theta" not in rope:
             rope = {**rope, "rope_theta": d["rope_theta"]}
+        try:
+            return cls._from_hf_fields(d, rope, model_type, where)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, ZeroDivisionError) as err:  # int("abc"), float(None), hidden // 0
+            raise ConfigError(f"{where}: sizes and rates must be positive numbers ({type(err).__name__}: {err})") from None
+
+    @classmethod
+    def _from_hf_fields(cls, d: dict[str, Any], rope: dict, model_type: str, where: str) -> "LlamaConfig":
         # Hub configs (e.g. llava-1.5's text_config) omit fields left at HF's LlamaConfig defaults.
         heads, hidden = int(d.get("num_attention_heads", 32)), int(d.get("hidden_size", 4096))
         eos = d.get("eos_token_id")

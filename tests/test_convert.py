@@ -94,6 +94,9 @@ def test_missing_tensor_is_named(checkpoint, tmp_path):
     (lambda c: c.update(projector_hidden_act="relu"), "projector_hidden_act='relu'"),
     (lambda c: c["vision_config"].update(hidden_act="gelu"), "hidden_act='gelu'"),
     (lambda c: c.update(vision_feature_select_strategy="pooled"), "vision_feature_select_strategy='pooled'"),
+    (lambda c: c["text_config"].update(num_hidden_layers=0), r"config sizes must be >= 1, got \{'num_hidden_layers': 0\}"),
+    (lambda c: c["text_config"].update(rms_norm_eps="abc"), "text_config: sizes and rates must be positive numbers"),
+    (lambda c: c["text_config"].update(rms_norm_eps=-1.0), "rms_norm_eps and rope_theta must be > 0"),
 ])
 def test_unsupported_config_is_refused(checkpoint, tmp_path, edit, message):
     copy_with(checkpoint, tmp_path, config_edit=edit)
@@ -128,6 +131,28 @@ def test_corrupt_converted_folder(checkpoint, tmp_path):
     lookm_jax.load(str(checkpoint)).save(str(tmp_path / "c"))
     (tmp_path / "c" / store.PARAMS).write_bytes(b"garbage")
     with pytest.raises(ValueError, match="corrupt or missing params.safetensors"):
+        lookm_jax.load(str(tmp_path / "c"))
+
+
+def test_malformed_json_files_are_named(checkpoint, tmp_path):
+    """config.json, the shard index, tokenizer.json and a converted folder's manifest: each malformed
+    file is named in a CheckpointError (a ValueError: the CLI's one line), never a bare traceback."""
+    copy_with(checkpoint, tmp_path / "list", config_edit=lambda c: None)
+    (tmp_path / "list" / "config.json").write_text("[1, 2]")
+    copy_with(checkpoint, tmp_path / "cut", shards=2)
+    (tmp_path / "cut" / "model.safetensors.index.json").write_text('{"weight_map": {"a": ')
+    copy_with(checkpoint, tmp_path / "tok")
+    (tmp_path / "tok" / "tokenizer.json").write_text('{"model": 1}')
+    for name, message in (("list", "config.json: must hold a JSON object, got a list"),
+                          ("cut", "model.safetensors.index.json: not a readable JSON file"),
+                          ("tok", "tokenizer.json is not a tokenizers file")):
+        with pytest.raises(CheckpointError, match=message):
+            lookm_jax.load(str(tmp_path / name))
+    lookm_jax.load(str(checkpoint)).save(str(tmp_path / "c"))
+    manifest = json.loads((tmp_path / "c" / store.MANIFEST).read_text())
+    del manifest["hf_config"]
+    (tmp_path / "c" / store.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="has no hf_config object"):
         lookm_jax.load(str(tmp_path / "c"))
 
 
