@@ -38,26 +38,33 @@ def read_sweep(path: str) -> list[dict]:
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no sweep results at {path}")
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        missing = [c for c in SWEEP_COLUMNS if c not in (reader.fieldnames or ())]
-        if missing:
-            raise ValueError(f"{path}: missing column(s) {', '.join(missing)}; "
-                             f"a sweep CSV has the columns {','.join(SWEEP_COLUMNS)}")
-        rows = []
-        for line, raw in enumerate(reader, start=2):
-            try:
-                row = {**raw, "budget": float(raw["budget"]), "length": int(raw["length"]),
-                       "samples": int(raw["samples"]), "accuracy": float(raw["accuracy"]),
-                       "fidelity": float(raw["fidelity"])}
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"{path}, line {line}: {err}") from None
-            if row["method"] != "full" and not 0.0 < row["budget"] <= 1.0:
-                raise ValueError(f"{path}, line {line}: budget {row['budget']} is outside (0, 1]")
-            for metric in METRICS:
-                if not 0.0 <= row[metric] <= 1.0:
-                    raise ValueError(f"{path}, line {line}: {metric} {row[metric]} is outside [0, 1]")
-            rows.append(row)
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            fieldnames, table = reader.fieldnames or (), list(reader)
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a UTF-8 text file (a sweep CSV)") from None
+    missing = [c for c in SWEEP_COLUMNS if c not in fieldnames]
+    if missing:
+        raise ValueError(f"{path}: missing column(s) {', '.join(missing)}; "
+                         f"a sweep CSV has the columns {','.join(SWEEP_COLUMNS)}")
+    rows = []
+    for line, raw in enumerate(table, start=2):
+        try:
+            row = {**raw, "budget": float(raw["budget"]), "length": int(raw["length"]),
+                   "samples": int(raw["samples"]), "accuracy": float(raw["accuracy"]),
+                   "fidelity": float(raw["fidelity"])}
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{path}, line {line}: {err}") from None
+        if not 0.0 < row["budget"] <= 1.0:  # the full cache's is 1
+            raise ValueError(f"{path}, line {line}: budget {row['budget']} is outside (0, 1]")
+        if row["length"] < 1 or row["samples"] < 1:
+            raise ValueError(f"{path}, line {line}: length and samples must be >= 1, got {row['length']}, "
+                             f"{row['samples']}")
+        for metric in METRICS:
+            if not 0.0 <= row[metric] <= 1.0:
+                raise ValueError(f"{path}, line {line}: {metric} {row[metric]} is outside [0, 1]")
+        rows.append(row)
     if not rows:
         raise ValueError(f"{path}: no result rows")
     return rows
@@ -167,8 +174,9 @@ def read_training_log(path: str) -> list[dict]:
             raise ValueError(f"{path}, line {line}: a record is a JSON object, got {text.strip()[:40]!r}")
         if "pretrain_step" in record:
             continue
-        if not {"step", "loss", "accuracy", "pictures"} <= set(record):
-            raise ValueError(f"{path}, line {line}: a stage-1 record has step, loss, accuracy and pictures")
+        fields = ("step", "loss", "accuracy", "pictures")
+        if not all(isinstance(record.get(k), (int, float)) and not isinstance(record.get(k), bool) for k in fields):
+            raise ValueError(f"{path}, line {line}: a stage-1 record has the numbers step, loss, accuracy and pictures")
         rows.append(record)
     if not rows:
         raise ValueError(f"{path}: no stage-1 records")

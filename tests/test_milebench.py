@@ -132,6 +132,7 @@ def _edit_copy(tmp_path, name, edit):
     ("MMCoQA", lambda d: d["data"][0].pop("response"), ValueError, "lacks \\['response'\\]"),
     ("ActionLocalization", lambda d: d["data"][0].update(response="Never"), ValueError, "not one of its choices"),
     ("ActionLocalization", lambda d: d["data"][1].update(sample_id=0), ValueError, "duplicate sample_id"),
+    ("ActionLocalization", lambda d: d["data"].clear(), ValueError, "with at least one sample"),
 ])
 def test_bad_dataset_files_get_clear_errors(tmp_path, name, edit, error, match):
     root = _edit_copy(tmp_path, name, edit)

@@ -123,7 +123,8 @@ def test_plot_sweep_refuses_missing_columns_and_writes_nothing(tmp_path, rng, ca
 
 @pytest.mark.parametrize("bad, message", [({"accuracy": "1.5"}, "accuracy 1.5 is outside [0, 1]"),
                                           ({"budget": "n/a"}, "line 3: could not convert"),
-                                          ({"budget": "0"}, "budget 0.0 is outside (0, 1]")])
+                                          ({"budget": "0"}, "budget 0.0 is outside (0, 1]"),
+                                          ({"samples": "-4"}, "line 3: length and samples must be >= 1, got")])
 def test_plot_sweep_refuses_bad_values(tmp_path, rng, bad, message, capsys):
     results = tmp_path / "sweep.csv"
     write_sweep(results, rng)
@@ -136,9 +137,12 @@ def test_plot_sweep_refuses_bad_values(tmp_path, rng, bad, message, capsys):
     assert not (tmp_path / "out.png").exists()
 
 
-def test_plot_sweep_reports_a_missing_file(tmp_path, capsys):
+def test_plot_sweep_reports_a_missing_or_binary_file(tmp_path, capsys):
     assert cli.main(["plot", "sweep", str(tmp_path / "none.csv")]) == 2
     assert "no sweep results at" in capsys.readouterr().err
+    (tmp_path / "binary.csv").write_bytes(b"label,\xff\xfe\n")
+    assert cli.main(["plot", "sweep", str(tmp_path / "binary.csv")]) == 2
+    assert "binary.csv: not a UTF-8 text file" in capsys.readouterr().err
 
 
 def test_plot_attention_on_the_demo_model(tmp_path, capsys):
@@ -185,9 +189,11 @@ def test_plot_training_writes_a_png_and_reports_the_last_evaluation(tmp_path, rn
 def test_plot_training_refuses_a_bad_log_and_writes_nothing(tmp_path, rng, capsys):
     log = tmp_path / "log.jsonl"
     _training_log(log, rng)
-    log.write_text(log.read_text() + '{"step": 41, "loss": 0.3}\n')
-    assert cli.main(["plot", "training", str(log), "--output", str(tmp_path / "out.png")]) == 2
-    assert "line 43: a stage-1 record has step, loss, accuracy and pictures" in capsys.readouterr().err
+    text = log.read_text()
+    for bad in ('{"step": 41, "loss": 0.3}', '{"step": 41, "loss": "low", "accuracy": 0.5, "pictures": 1}'):
+        log.write_text(text + bad + "\n")
+        assert cli.main(["plot", "training", str(log), "--output", str(tmp_path / "out.png")]) == 2
+        assert "line 43: a stage-1 record has the numbers step, loss, accuracy and pictures" in capsys.readouterr().err
     log.write_text("not json\n")
     assert cli.main(["plot", "training", str(log), "--output", str(tmp_path / "out.png")]) == 2
     assert "line 1: not JSON" in capsys.readouterr().err

@@ -143,8 +143,8 @@ def load_dataset(root: str, name: str, adv: bool = False, limit: int | None = No
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not valid JSON ({err})") from None
     meta = raw.get("meta_data") if isinstance(raw, dict) else None
-    if not isinstance(meta, dict) or not isinstance(raw.get("data"), list):
-        raise ValueError(f"{path}: expected {{'meta_data': {{...}}, 'data': [...]}}")
+    if not isinstance(meta, dict) or not isinstance(raw.get("data"), list) or not raw["data"]:
+        raise ValueError(f"{path}: expected {{'meta_data': {{...}}, 'data': [...]}} with at least one sample")
     if meta.get("question_type") not in QUESTION_TYPES:
         raise ValueError(f"{path}: meta_data.question_type must be one of {QUESTION_TYPES}, "
                          f"got {meta.get('question_type')!r}")

@@ -270,9 +270,9 @@ def cmd_needle(args) -> int:
                          image_fraction=image_fraction, batch_size=args.batch_size,
                          max_new_tokens=args.max_new_tokens, max_decode_rows=args.max_decode_rows,
                          first_sample=args.first_sample, log=lambda s: print(s, flush=True))
-    table = summarize(rows)
+    table, depths = summarize(rows), format_depths(rows)  # both before the CSV: a bad row writes nothing
     write_csv(output, table)
-    print(format_depths(rows))
+    print(depths)
     if args.mode == "sweep":
         print("\naccuracy\n" + format_table(table) + "\n\nfidelity (first 32 greedy tokens equal to the full cache's)\n"
               + format_table(table, "fidelity"))

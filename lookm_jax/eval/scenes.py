@@ -248,9 +248,9 @@ def cmd_scenes(args) -> int:
         rows = run_benchmark(model, configs, args.tasks, args.pictures, args.samples, args.seed, jsonl,
                              batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                              max_decode_rows=args.max_decode_rows, asked=asked, log=lambda s: print(s, flush=True))
-    table = summarize(rows)
+    table, tasks = summarize(rows), format_tasks(rows)  # both before the CSV: a bad row writes nothing
     harness.write_csv(output, table)
-    print("accuracy per task\n" + format_tasks(rows))
+    print("accuracy per task\n" + tasks)
     if args.mode == "sweep":
         print("\naccuracy, all tasks\n" + harness.format_table(table) + "\n\nfidelity (greedy tokens equal to the "
               "full cache's)\n" + harness.format_table(table, "fidelity"))
