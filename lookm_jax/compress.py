@@ -47,13 +47,18 @@ class SelectionSpec:
     keep_all_text: bool = False
 
     def __post_init__(self):
+        flags = {"text_prior": self.text_prior, "similarity_filter": self.similarity_filter,
+                 "keep_all_text": self.keep_all_text}
+        not_bool = {name: value for name, value in flags.items() if not isinstance(value, (bool, np.bool_))}
+        if not_bool:
+            raise InputError(f"{', '.join(not_bool)} must be True or False, got {not_bool}")
         if self.merge is not None and self.merge not in MERGES:
             raise InputError(f"merge must be None or one of {MERGES}, got {self.merge!r}")
         if self.similarity_filter and self.merge is None:
             raise InputError("similarity_filter needs a merge mode")
         if self.keep_all_text and not self.text_prior:
             raise InputError("keep_all_text needs text_prior=True")
-        if not isinstance(self.n_sink, int) or self.n_sink < 0:
+        if not isinstance(self.n_sink, int) or isinstance(self.n_sink, bool) or self.n_sink < 0:
             raise InputError(f"n_sink must be an int >= 0, got {self.n_sink!r}")
 
 

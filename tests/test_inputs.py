@@ -47,6 +47,23 @@ def test_alphas_must_sum_to_a_fraction(alphas):
         get_method("snapkv", alpha_recent=alphas[0], alpha_important=alphas[1])
 
 
+@pytest.mark.parametrize("name, options, message", [
+    ("snapkv", {"kernel_size": -1}, "odd kernel_size >= 1"),
+    ("snapkv", {"window": True}, "window must be an int >= 1 or None, got True"),
+    ("roco", {"std_weight": float("nan")}, "std_weight must be a finite number, got nan"),
+    ("lookm", {"keep_all_text": True, "capacity_ratio": float("inf")}, r"capacity_ratio must be None or a fraction"),
+    ("lookm", {"keep_all_text": True, "capacity_ratio": -1}, r"capacity_ratio must be None or a fraction"),
+    ("lookm", {"text_prior": "yes"}, "text_prior must be True or False"),
+    ("lookm", {"similarity_filter": 3, "merge": "averaged"}, "similarity_filter must be True or False"),
+    ("lookm", {"n_sink": True}, "n_sink must be an int >= 0, got True"),
+    ("h2o", {"block": True}, "block must be an int >= 1, got True"),
+    ("h2o", {"budget": True}, r"budget must be a fraction in \(0, 1\], got True"),
+])
+def test_method_options_of_the_wrong_kind_are_refused(name, options, message):
+    with pytest.raises(InputError, match=message):
+        get_method(name, **options)
+
+
 def test_budget_or_alpha_given_to_full_is_refused():
     with pytest.raises(InputError, match="method 'full' takes no budget"):
         get_method("full", budget=0.2)
@@ -84,7 +101,7 @@ def test_context_length_is_checked_and_can_be_overridden(tiny, prompt):
 def test_prompt_beyond_the_largest_bucket_says_how_to_raise_it(tiny, prompt):
     small = dataclasses.replace(tiny, buckets=(16,), _compiled={})
     with pytest.raises(PromptTooLongError, match=r"prompt of 33 tokens is longer than the largest bucket \(16\); "
-                                                 r"add a bucket: `--buckets 48`.*model.buckets"):
+                                                 r"add a bucket: `model.buckets = .*, 48\)`, or `lookm generate --buckets 48`"):
         small.run(*prompt, max_new_tokens=2)
     small.buckets = (*small.buckets, 48)
     assert small.run(*prompt, max_new_tokens=2).bucket == 48

@@ -52,7 +52,7 @@ def get_method(name: str, *, budget: float | None = None, **kwargs) -> Method:
                          f"{', '.join(accepted) or 'none'})")
     if budget is not None:
         if not isinstance(budget, numbers.Real) or isinstance(budget, bool) or not 0 < budget <= 1:
-            shown = f"{budget:g}" if isinstance(budget, numbers.Real) else repr(budget)  # as typed: -1, not -1.0
+            shown = f"{budget:g}" if isinstance(budget, numbers.Real) and not isinstance(budget, bool) else repr(budget)  # -1, not -1.0
             raise InputError(f"budget must be a fraction in (0, 1], got {shown}")
         if {"alpha_recent", "alpha_important"} & kwargs.keys():
             raise InputError("give either budget or alpha_recent / alpha_important, not both")

@@ -64,8 +64,18 @@ def floor_fraction(alpha: float, valid: jax.Array) -> jax.Array:
     return jnp.asarray(table)[valid.sum(-1)]
 
 
+def is_real(x) -> bool:
+    """A finite real number (bools excluded)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def is_int_at_least(x, minimum: int) -> bool:
+    """An int >= minimum (bools excluded)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= minimum
+
+
 def _is_fraction(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and 0 <= x <= 1
+    return is_real(x) and 0 <= x <= 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +102,7 @@ class ScorerMethod(Method):
                 and 0 < self.alpha_recent + self.alpha_important <= 1):
             raise InputError(f"alpha_recent={self.alpha_recent!r} and alpha_important={self.alpha_important!r} "
                              "must be fractions in [0, 1] whose sum (the kept fraction of the prompt) is in (0, 1]")
-        if not isinstance(self.block, int) or self.block < 1:
+        if not is_int_at_least(self.block, 1):
             raise InputError(f"block must be an int >= 1, got {self.block!r}")
         self.selection()  # validates the spec
 

@@ -7,7 +7,7 @@ import math
 
 from lookm_jax.compress import SelectionSpec
 from lookm_jax.errors import InputError
-from lookm_jax.methods.base import ScorerMethod
+from lookm_jax.methods.base import ScorerMethod, is_real
 from lookm_jax.scoring import SUMS, scores_from_stats
 
 
@@ -34,6 +34,8 @@ class LookM(ScorerMethod):
         super().__post_init__()
         if self.capacity_ratio is not None and not self.keep_all_text:
             raise InputError("capacity_ratio only applies with keep_all_text=True")
+        if self.capacity_ratio is not None and not (is_real(self.capacity_ratio) and 0 < self.capacity_ratio <= 1):
+            raise InputError(f"capacity_ratio must be None or a fraction in (0, 1], got {self.capacity_ratio!r}")
 
     def selection(self) -> SelectionSpec:
         return SelectionSpec(text_prior=self.text_prior, merge=self.merge, n_sink=self.n_sink,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from lookm_jax.methods.base import ScorerMethod
+from lookm_jax.errors import InputError
+from lookm_jax.methods.base import ScorerMethod, is_real
 from lookm_jax.scoring import STATISTICS, mean_std_from_stats
 
 
@@ -20,6 +21,11 @@ class RoCo(ScorerMethod):
 
     statistics = STATISTICS
     std_weight: float = 0.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not is_real(self.std_weight):
+            raise InputError(f"std_weight must be a finite number, got {self.std_weight!r}")
 
     def score(self, queries, keys, valid, stats, n_recent):
         mean, std = mean_std_from_stats(stats, valid)

@@ -6,7 +6,7 @@ import dataclasses
 import math
 
 from lookm_jax.errors import InputError
-from lookm_jax.methods.base import ScorerMethod
+from lookm_jax.methods.base import ScorerMethod, is_int_at_least
 from lookm_jax.scoring import window_scores
 from lookm_jax.select import recent_mask
 
@@ -32,10 +32,10 @@ class SnapKV(ScorerMethod):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.kernel_size, int) or self.kernel_size % 2 != 1 or self.pooling not in ("max", "avg"):
-            raise InputError(f"need an odd kernel_size and pooling 'max' | 'avg', got {self.kernel_size}, "
+        if not is_int_at_least(self.kernel_size, 1) or self.kernel_size % 2 != 1 or self.pooling not in ("max", "avg"):
+            raise InputError(f"need an odd kernel_size >= 1 and pooling 'max' | 'avg', got {self.kernel_size!r}, "
                              f"{self.pooling!r}")
-        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
+        if self.window is not None and not is_int_at_least(self.window, 1):
             raise InputError(f"window must be an int >= 1 or None, got {self.window!r}")
 
     def queries_read(self, bucket_len: int) -> int:
