@@ -49,8 +49,8 @@ def token_ids(config, input_ids, attention_mask=None) -> tuple[np.ndarray, np.nd
     ids = np.asarray(input_ids)
     if ids.dtype.kind not in "iu":
         raise InputError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
-    if ids.ndim != 2:
-        raise InputError(f"input_ids must be [batch, length], got shape {ids.shape}")
+    if ids.ndim != 2 or 0 in ids.shape:
+        raise InputError(f"input_ids must be [batch, length] with both >= 1, got shape {ids.shape}")
     mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
     if mask.shape != ids.shape:
         raise InputError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
@@ -105,6 +105,9 @@ def pixel_values(config, dtype, ids: np.ndarray, valid: np.ndarray, pixels) -> j
     expected = config.pixel_shape
     if pixels.ndim != 4 or pixels.shape[1:] != expected:
         raise InputError(f"pixel_values must be [num_images, {', '.join(map(str, expected))}], got {pixels.shape}")
+    if pixels.dtype.kind not in "fiu" or not np.isfinite(pixels).all():
+        raise InputError(f"pixel_values must be finite real numbers (`preprocess_images` gives them), got dtype "
+                         f"{pixels.dtype}{'' if pixels.dtype.kind not in 'fiu' else ' with NaN or inf'}")
     n_images = pixels.shape[0]
     if n_placeholders != n_images * config.image_seq_length:
         raise InputError(f"{n_images} image(s) need {n_images * config.image_seq_length} placeholder tokens "

@@ -206,6 +206,8 @@ class Model:
         """
         from lookm_jax.convert.tokenizer import apply_chat_template
 
+        if not isinstance(num_images, (int, np.integer)) or isinstance(num_images, bool) or num_images < 0:
+            raise InputError(f"num_images must be an int >= 0, got {num_images!r}")
         if self.tokenizer is None:
             raise InputError("this model has no tokenizer; pass input_ids")
         if num_images and not self.is_multimodal:
@@ -216,12 +218,16 @@ class Model:
         return np.asarray([self.processor.encode(self.tokenizer, text, image_tiles)], np.int32)
 
     def decode_text(self, tokens: Sequence[int]) -> str:
+        """Token ids -> text, up to the first end-of-sequence token."""
         eos = set(self.text_config.eos_token_ids)
         kept = []
         for t in tokens:
             if int(t) in eos:
                 break
             kept.append(int(t))
+        vocab = self.text_config.vocab_size
+        if any(not 0 <= t < vocab for t in kept):
+            raise InputError(f"token ids must be in [0, {vocab}), got {[t for t in kept if not 0 <= t < vocab][:5]}")
         return self.tokenizer.decode(kept, skip_special_tokens=True)
 
     def save(self, path: str) -> None:

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
+from lookm_jax.errors import InputError
+
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -123,6 +125,9 @@ def _crop_size(crop) -> tuple[int, int]:
 
 def _to_rgb(image: Image.Image | np.ndarray) -> Image.Image:
     """RGB PIL image; transparency is composited onto white, as transformers' convert_to_rgb does."""
+    size = image.size if isinstance(image, Image.Image) else getattr(image, "shape", (1, 1))[:2]
+    if 0 in size:
+        raise InputError(f"an image has no pixels (size {tuple(size)})")
     if isinstance(image, Image.Image):
         if "A" in image.getbands() or image.info.get("transparency") is not None:
             rgba = image.convert("RGBA")
@@ -131,7 +136,7 @@ def _to_rgb(image: Image.Image | np.ndarray) -> Image.Image:
     is_hwc_uint8 = isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.ndim == 3
     if not is_hwc_uint8 or image.shape[-1] not in (1, 3, 4):
         desc = f"{image.dtype} array of shape {image.shape}" if isinstance(image, np.ndarray) else type(image).__name__
-        raise ValueError(f"expected a PIL image or a [H, W, C] uint8 array with C in (1, 3, 4), got {desc}")
+        raise InputError(f"expected a PIL image or a [H, W, C] uint8 array with C in (1, 3, 4), got {desc}")
     if image.shape[-1] == 1:
         image = np.repeat(image, 3, axis=-1)
     elif image.shape[-1] == 4:

@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+import lookm_jax
 from conftest import IMAGE_TOKEN, image_ids
 from lookm_jax import InputError, PromptTooLongError, get_method, inputs
 from lookm_jax.models.config import LlavaConfig
@@ -143,6 +144,22 @@ def test_other_requests_are_refused_with_input_error(tiny, prompt):
             tiny.run(ids, pixels, **{"max_new_tokens": 2, **kwargs})
     with pytest.raises(InputError, match="25 placeholder tokens .* the prompt has 0"):
         tiny.run(np.ones((1, 4), np.int32), pixels, max_new_tokens=2)
+    with pytest.raises(InputError, match="pixel_values must be finite real numbers .* with NaN or inf"):
+        tiny.run(ids, np.full_like(pixels, np.nan), max_new_tokens=2)
+    with pytest.raises(InputError, match=r"input_ids must be \[batch, length\] with both >= 1, got shape \(0, 4\)"):
+        tiny.run(np.ones((0, 4), np.int32), max_new_tokens=2)
+    with pytest.raises(InputError, match=r"an image has no pixels \(size \(0, 0\)\)"):
+        tiny.preprocess_images([np.zeros((0, 0, 3), np.uint8)])
+    with pytest.raises(InputError, match="expected a PIL image or a \\[H, W, C\\] uint8 array"):
+        tiny.preprocess_images([np.zeros((4, 4, 3), np.float32)])
+    with pytest.raises(InputError, match=r"token ids must be in \[0, 251\), got \[-1\]"):
+        tiny.decode_text([5, -1])
+    with pytest.raises(InputError, match="num_images must be an int >= 0, got -1"):
+        tiny.encode_chat("x", num_images=-1)
+    with pytest.raises(InputError, match="path must be a folder or .gguf file path, got None"):
+        lookm_jax.load(None)
+    with pytest.raises(InputError, match="dtype must be one of float32, bfloat16, got int8"):
+        lookm_jax.load_default(np.int8)
     with pytest.raises(InputError, match="image_tiles is only for tiling"):
         tiny.processor.encode(None, "x", [1])
     assert isinstance(tiny.config, LlavaConfig) and not tiny.processor.tiling
