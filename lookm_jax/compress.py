@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lookm_jax.checks import is_int_at_least
 from lookm_jax.errors import InputError
 from lookm_jax.merge import MERGES, merge_evicted
 from lookm_jax.select import select_slots
@@ -58,7 +59,7 @@ class SelectionSpec:
             raise InputError("similarity_filter needs a merge mode")
         if self.keep_all_text and not self.text_prior:
             raise InputError("keep_all_text needs text_prior=True")
-        if not isinstance(self.n_sink, int) or isinstance(self.n_sink, bool) or self.n_sink < 0:
+        if not is_int_at_least(self.n_sink, 0):
             raise InputError(f"n_sink must be an int >= 0, got {self.n_sink!r}")
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import numbers
 
 import flax.struct
 import jax
@@ -22,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lookm_jax.cache import KVCache
+from lookm_jax.checks import is_real
 from lookm_jax.errors import InputError, PromptTooLongError
 from lookm_jax.models import llama, llava
 from lookm_jax.models.config import LlamaConfig, LlavaConfig
@@ -51,8 +50,7 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        real = all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in (self.temperature, self.top_p))
-        if not real or not 0 <= self.temperature < math.inf or not 0 < self.top_p <= 1:
+        if not (is_real(self.temperature) and is_real(self.top_p)) or self.temperature < 0 or not 0 < self.top_p <= 1:
             raise InputError(f"need a finite temperature >= 0 and 0 < top_p <= 1, got temperature "
                              f"{self.temperature!r}, top_p {self.top_p!r}")
 

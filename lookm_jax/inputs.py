@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lookm_jax import generate as gen
+from lookm_jax.checks import as_int, is_int_at_least
 from lookm_jax.errors import MAX_SEED, InputError, PromptTooLongError
 from lookm_jax.models import llava
 
@@ -34,12 +35,13 @@ class Prompt:
 
 
 def check_max_new_tokens(max_new_tokens) -> None:
-    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+    if not is_int_at_least(max_new_tokens, 1):
         raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
 
 
 def check_seed(seed) -> None:
-    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+    value = as_int(seed)
+    if value is None or not 0 <= value <= MAX_SEED:
         raise InputError(f"seed must be an int in [0, {MAX_SEED}], got {seed!r}")
 
 
@@ -105,9 +107,10 @@ def pixel_values(config, dtype, ids: np.ndarray, valid: np.ndarray, pixels) -> j
     expected = config.pixel_shape
     if pixels.ndim != 4 or pixels.shape[1:] != expected:
         raise InputError(f"pixel_values must be [num_images, {', '.join(map(str, expected))}], got {pixels.shape}")
-    if pixels.dtype.kind not in "fiu" or not np.isfinite(pixels).all():
+    real = jnp.issubdtype(pixels.dtype, jnp.floating) or jnp.issubdtype(pixels.dtype, jnp.integer)  # bf16 too
+    if not real or not np.isfinite(pixels).all():
         raise InputError(f"pixel_values must be finite real numbers (`preprocess_images` gives them), got dtype "
-                         f"{pixels.dtype}{'' if pixels.dtype.kind not in 'fiu' else ' with NaN or inf'}")
+                         f"{pixels.dtype}{' with NaN or inf' if real else ''}")
     n_images = pixels.shape[0]
     if n_placeholders != n_images * config.image_seq_length:
         raise InputError(f"{n_images} image(s) need {n_images * config.image_seq_length} placeholder tokens "

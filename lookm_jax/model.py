@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lookm_jax import generate as gen, inputs, sharding
+from lookm_jax.checks import as_int
 from lookm_jax.errors import InputError
 from lookm_jax.methods import get_method
 from lookm_jax.models import llama, llava, processors
@@ -206,8 +207,9 @@ class Model:
         """
         from lookm_jax.convert.tokenizer import apply_chat_template
 
-        if not isinstance(num_images, (int, np.integer)) or isinstance(num_images, bool) or num_images < 0:
+        if as_int(num_images) is None or num_images < 0:
             raise InputError(f"num_images must be an int >= 0, got {num_images!r}")
+        num_images = as_int(num_images)
         if self.tokenizer is None:
             raise InputError("this model has no tokenizer; pass input_ids")
         if num_images and not self.is_multimodal:

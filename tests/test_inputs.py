@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -146,6 +147,9 @@ def test_other_requests_are_refused_with_input_error(tiny, prompt):
         tiny.run(np.ones((1, 4), np.int32), pixels, max_new_tokens=2)
     with pytest.raises(InputError, match="pixel_values must be finite real numbers .* with NaN or inf"):
         tiny.run(ids, np.full_like(pixels, np.nan), max_new_tokens=2)
+    with pytest.raises(InputError, match="pixel_values must be finite real numbers .* got dtype complex64$"):
+        tiny.run(ids, pixels.astype(np.complex64), max_new_tokens=2)
+    tiny.run(ids, jnp.asarray(pixels, jnp.bfloat16), max_new_tokens=2, seed=jnp.int32(3))  # bf16 pixels, a JAX seed
     with pytest.raises(InputError, match=r"input_ids must be \[batch, length\] with both >= 1, got shape \(0, 4\)"):
         tiny.run(np.ones((0, 4), np.int32), max_new_tokens=2)
     with pytest.raises(InputError, match=r"an image has no pixels \(size \(0, 0\)\)"):

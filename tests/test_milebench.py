@@ -332,5 +332,5 @@ def test_summary_groups_and_overall(tmp_path):
 def test_corrupt_predictions_file_is_named(tmp_path):
     path = tmp_path / mb.PREDICTIONS
     path.write_text(json.dumps(_record("Full()", "WebQA", 0, 1.0)) + "\n{oops\n")
-    with pytest.raises(ValueError, match="line 2: not a JSON record"):
+    with pytest.raises(ValueError, match="line 2: not JSON"):
         mb.read_predictions(str(path))

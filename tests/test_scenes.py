@@ -186,15 +186,18 @@ def test_unreadable_rows_and_a_summary_over_its_rows_are_refused(tmp_path, capsy
     from lookm_jax.cli import main
 
     jsonl, output = tmp_path / "rows.jsonl", tmp_path / "t.csv"
-    row = {"label": "full", "method": "full", "budget": 1.0, "correct": True, "fidelity": 1.0}
-    for bad, message in (('{"label": "full", "bud', "line 2: not a JSON row"), ("[1, 2]", "line 2: not a benchmark row")):
+    row = {"label": "full", "method": "full", "text_prior": "", "merge": "", "budget": 1.0, "correct": True,
+           "fidelity": 1.0, "seed": 0, "pictures": 8, "task": "needle", "sample": 0}
+    no_key = json.dumps({k: v for k, v in row.items() if k != "seed"})
+    for bad, message in (('{"label": "full", "bud', "line 2: not JSON"), ("[1, 2]", "line 2: not a benchmark row"),
+                         (no_key, "line 2: not a benchmark row")):
         jsonl.write_text(json.dumps(row) + "\n" + bad + "\n")
         argv = ["eval", "scenes", "calibrate", "--report-only", "--jsonl", str(jsonl), "--output", str(output)]
         assert main(argv) == 2
         assert message in capsys.readouterr().err
     assert main(["eval", "scenes", "calibrate", "--jsonl", str(jsonl), "--output", str(jsonl)]) == 2
     assert "--jsonl and --output are the same file" in capsys.readouterr().err
-    assert jsonl.read_text().endswith("[1, 2]\n") and sorted(os.listdir(tmp_path)) == ["rows.jsonl"]
+    assert jsonl.read_text().endswith(no_key + "\n") and sorted(os.listdir(tmp_path)) == ["rows.jsonl"]
 
 
 def test_shipped_tower_beats_chance_on_held_out_questions(demo):

@@ -254,7 +254,8 @@ def test_train_command_refuses_bad_arguments_before_writing(tmp_path, capsys):
                                  ("--pretrain-scenes", "8", "--pretrain-scenes must be >= 32 (one stage-0 batch), got 8"),
                                  ("--anchor-weight", "1", "--anchor-weight must be >= 0, and > 0 only with "
                                                           "--tower-lr-scale > 0, got 1.0 with --tower-lr-scale 0.0"),
-                                 ("--stop-after", "0", "--stop-after must be >= 1 steps, got 0"),
+                                 ("--stop-after", "-1", "--stop-after must be >= 0 steps, got -1"),
+                                 ("--stop-after", "0", "--stop-after 0 exports the run's checkpoint, and"),
                                  ("--learning-rate", "inf", "argument --learning-rate: must be a finite number, got inf"),
                                  ("--anchor-weight", "nan", "argument --anchor-weight: must be a finite number, got nan"),
                                  ("--seed", "-1", "argument --seed: must be an integer in [0, 4294967295], got -1"),

@@ -19,8 +19,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from lookm_jax.errors import InputError
+from lookm_jax.eval import jsonl
 
-ROW_FIELDS = ("label", "method", "budget", "correct", "fidelity")  # in every row `run_prompts` writes
+ROW_FIELDS = ("label", "method", "text_prior", "merge", "budget", "correct", "fidelity")  # in every row `run_prompts` writes
 CSV_COLUMNS = ("label", "method", "text_prior", "merge", "budget", "length", "samples", "accuracy", "fidelity")
 DEFAULT_BUDGETS = (0.05, 0.1, 0.2, 0.5)
 LOOKM_MERGES = ("none", "averaged", "pivotal", "weighted")
@@ -92,35 +93,11 @@ def row_key(row: dict, key_fields: Sequence[str], defaults: dict | None = None) 
     return tuple(row[f] if f in row else defaults[f] for f in key_fields) + (row["label"], row["budget"])
 
 
-def read_rows(path) -> list[dict]:
-    """Per-sample rows of a JSONL written by `run_prompts` ([] when the file does not exist yet); a
-    last line cut short by an interrupted write is ignored (and overwritten by the next run)."""
-    if not os.path.exists(path):
-        return []
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().split("\n")
-    except UnicodeDecodeError as err:
-        raise InputError(f"{path}: not a UTF-8 JSONL of benchmark rows ({err})") from None
-    rows = []
-    for number, line in enumerate(lines[:-1], 1):  # lines[-1]: "" or a cut line
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as err:
-            raise InputError(f"{path}, line {number}: not a JSON row ({err})") from None
-        if not isinstance(row, dict) or not set(ROW_FIELDS) <= row.keys():
-            raise InputError(f"{path}, line {number}: not a benchmark row (needs the fields {', '.join(ROW_FIELDS)})")
-        rows.append(row)
-    return rows
-
-
-def _drop_cut_line(path: str) -> None:
-    """Truncate the JSONL after its last complete line (an interrupted write leaves a partial one)."""
-    with open(path, "rb+") as f:
-        data = f.read()
-        f.truncate(data.rfind(b"\n") + 1)
+def read_rows(path: str, key_fields: Sequence[str] = ()) -> list[dict]:
+    """Per-sample rows of a JSONL written by `run_prompts` ([] when the file does not exist yet),
+    each holding ROW_FIELDS and `key_fields`; a last line cut short by an interrupted write is
+    ignored (and overwritten by the next run)."""
+    return jsonl.read_records(path, (*ROW_FIELDS, *key_fields), "benchmark row")
 
 
 def encode_batch(model, texts: Sequence[str], leading_images: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -178,10 +155,10 @@ def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Pr
     if configs[0] != SweepConfig("full", 1.0):
         raise ValueError("configs must start with the full cache (fidelity's reference)")
     methods = [c.build() for c in configs]
-    done = {row_key(r, key_fields, key_defaults) for r in read_rows(jsonl_path)}
+    required = [f for f in key_fields if f not in (key_defaults or {})]
+    done = {row_key(r, key_fields, key_defaults) for r in read_rows(jsonl_path, required)}
     os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
-    if os.path.exists(jsonl_path):
-        _drop_cut_line(jsonl_path)
+    jsonl.drop_cut_line(jsonl_path)
     start, ran = time.perf_counter(), 0
     for b, batch in enumerate(batches):
         keys = [tuple(p.key[f] for f in key_fields) for p in batch]

@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from lookm_jax.cli_args import DTYPES, add_method_arguments, method_from_args, path_arg
-from lookm_jax.eval import harness
+from lookm_jax.eval import harness, jsonl
 from lookm_jax.eval.milebench_scoring import QUESTION_TYPES, choice_letters, normalize, score
 
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -228,31 +228,7 @@ def method_label(method) -> str:
 
 def read_predictions(path: str) -> list[dict]:
     """The records of a predictions file (none if it does not exist)."""
-    if not os.path.exists(path):
-        return []
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path} line {number}: not a JSON record ({err})") from None
-            if not isinstance(record, dict) or not {*CONFIG_FIELDS, "dataset", "sample_id", "score"} <= record.keys():
-                raise ValueError(f"{path} line {number}: not a MileBench prediction record")
-            records.append(record)
-    return records
-
-
-def drop_partial_line(path: str) -> bool:
-    """Cut a last line that an interruption left without its newline; True if there was one."""
-    if not os.path.exists(path):
-        return False
-    with open(path, "rb+") as f:
-        data = f.read()
-        if not data or data.endswith(b"\n"):
-            return False
-        f.truncate(data.rfind(b"\n") + 1)
-    return True
+    return jsonl.read_records(path, (*CONFIG_FIELDS, "dataset", "sample_id", "score"), "MileBench prediction record")
 
 
 def evaluate(model, samples: list[Sample], method, config: dict, output: str) -> list[dict]:
@@ -263,7 +239,7 @@ def evaluate(model, samples: list[Sample], method, config: dict, output: str) ->
     from lookm_jax.inputs import open_image
 
     path = os.path.join(output, PREDICTIONS)
-    if drop_partial_line(path):
+    if jsonl.drop_cut_line(path):
         print(f"note: removed an incomplete last line from {path} (an interrupted run)")
     done = {(r["dataset"], r["sample_id"]) for r in read_predictions(path)
             if all(r[k] == config[k] for k in CONFIG_FIELDS)}
@@ -377,7 +353,11 @@ def cmd_milebench(args) -> int:
         raise ValueError("tiling models (HF-format InternVL) are not supported by the MileBench harness yet: "
                          "their image token counts depend on each image's tiles")
     # A prompt must fit the largest bucket and, with its answer, the model's context.
-    longest = min(max(model.buckets), model.text_config.max_position_embeddings - args.max_new_tokens)
+    context = model.text_config.max_position_embeddings
+    if args.max_new_tokens >= context:
+        raise ValueError(f"--max-new-tokens must be below the model's context length ({context}), "
+                         f"got {args.max_new_tokens}")
+    longest = min(max(model.buckets), context - args.max_new_tokens)
     max_prompt = longest if args.max_prompt_tokens is None else args.max_prompt_tokens
     if not 0 < max_prompt <= longest:
         raise ValueError(f"--max-prompt-tokens must be in 1..{longest} (the largest bucket, and the context "

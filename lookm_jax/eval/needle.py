@@ -175,7 +175,7 @@ def run_sweep(model, configs: list[SweepConfig], lengths, n: int, seed: int, jso
         batches += [prompts[first:first + batch_size] for first in range(first_sample, n, batch_size)]
     harness.run_prompts(model, configs, batches, jsonl_path, KEY_FIELDS, is_correct, max_new_tokens=max_new_tokens,
                         max_decode_rows=max_decode_rows, log=log)
-    return select_rows(read_rows(jsonl_path), configs, lengths, n, seed, text_only)
+    return select_rows(read_rows(jsonl_path, KEY_FIELDS), configs, lengths, n, seed, text_only)
 
 
 def select_rows(rows: list[dict], configs: list[SweepConfig], lengths, n: int, seed: int,
@@ -261,7 +261,7 @@ def cmd_needle(args) -> int:
     print(f"needle {args.mode}: {len(configs)} configs x lengths {args.lengths} x {args.samples} samples, "
           f"seed {args.seed}, load average {harness.load_average()}", flush=True)
     if args.report_only:
-        rows = select_rows(read_rows(jsonl), configs, args.lengths, args.samples, args.seed, args.text_only)
+        rows = select_rows(read_rows(jsonl, KEY_FIELDS), configs, args.lengths, args.samples, args.seed, args.text_only)
         if not rows:
             raise ValueError(f"{jsonl} holds no rows for these settings")
     else:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
+from lookm_jax.checks import is_real
 from lookm_jax.errors import InputError
 from lookm_jax.methods.base import Method, ScorerMethod
 from lookm_jax.methods.full import Full
@@ -51,8 +51,8 @@ def get_method(name: str, *, budget: float | None = None, **kwargs) -> Method:
         raise InputError(f"method {name!r} takes no {', '.join(unknown)} (its parameters: "
                          f"{', '.join(accepted) or 'none'})")
     if budget is not None:
-        if not isinstance(budget, numbers.Real) or isinstance(budget, bool) or not 0 < budget <= 1:
-            shown = f"{budget:g}" if isinstance(budget, numbers.Real) and not isinstance(budget, bool) else repr(budget)  # -1, not -1.0
+        if not is_real(budget) or not 0 < budget <= 1:
+            shown = f"{budget:g}" if is_real(budget) else repr(budget)  # as typed: -1, not -1.0
             raise InputError(f"budget must be a fraction in (0, 1], got {shown}")
         if {"alpha_recent", "alpha_important"} & kwargs.keys():
             raise InputError("give either budget or alpha_recent / alpha_important, not both")

@@ -11,13 +11,13 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-import numbers
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lookm_jax.checks import is_int_at_least, is_real
 from lookm_jax.compress import CompressedKV, SelectionSpec, compress_kv
 from lookm_jax.errors import InputError
 from lookm_jax.scoring import column_stats
@@ -62,16 +62,6 @@ def floor_fraction(alpha: float, valid: jax.Array) -> jax.Array:
     """
     table = np.floor(alpha * np.arange(valid.shape[-1] + 1)).astype(np.int32)
     return jnp.asarray(table)[valid.sum(-1)]
-
-
-def is_real(x) -> bool:
-    """A finite real number (bools excluded)."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def is_int_at_least(x, minimum: int) -> bool:
-    """An int >= minimum (bools excluded)."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= minimum
 
 
 def _is_fraction(x) -> bool:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from lookm_jax.checks import is_real
 from lookm_jax.compress import SelectionSpec
 from lookm_jax.errors import InputError
-from lookm_jax.methods.base import ScorerMethod, is_real
+from lookm_jax.methods.base import ScorerMethod
 from lookm_jax.scoring import SUMS, scores_from_stats
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from lookm_jax.checks import is_real
 from lookm_jax.errors import InputError
-from lookm_jax.methods.base import ScorerMethod, is_real
+from lookm_jax.methods.base import ScorerMethod
 from lookm_jax.scoring import STATISTICS, mean_std_from_stats
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from lookm_jax.checks import is_int_at_least
 from lookm_jax.errors import InputError
-from lookm_jax.methods.base import ScorerMethod, is_int_at_least
+from lookm_jax.methods.base import ScorerMethod
 from lookm_jax.scoring import window_scores
 from lookm_jax.select import recent_mask
 

@@ -43,7 +43,8 @@ def add_parser(subparsers) -> None:
                    help="start stage 1 from these exported weights (a demo_vision.safetensors; skips stage 0) "
                         "instead of the seeded tower (default: seeded tower)")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the scene stream and the stage-0 head")
-    p.add_argument("--stop-after", type=int, help="end this call after N steps, resumable (default: run to --steps)")
+    p.add_argument("--stop-after", type=int,
+                   help="end this call after N steps, resumable; 0 exports OUTPUT's checkpoint (default: run to --steps)")
     p.set_defaults(func=cmd_vision)
 
 
@@ -59,8 +60,8 @@ def train_config(args):
     if args.pretrain_scenes < tower.PretrainConfig.batch_size:
         raise ValueError(f"--pretrain-scenes must be >= {tower.PretrainConfig.batch_size} (one stage-0 batch), "
                          f"got {args.pretrain_scenes}")
-    if args.stop_after is not None and args.stop_after < 1:
-        raise ValueError(f"--stop-after must be >= 1 steps, got {args.stop_after}")
+    if args.stop_after is not None and args.stop_after < 0:
+        raise ValueError(f"--stop-after must be >= 0 steps, got {args.stop_after}")
     if args.text_facts and not args.multi_every:
         raise ValueError("--text-facts needs multi-picture steps: --multi-every must be >= 1, got 0")
     if not 0 <= args.tower_lr_scale <= 1:
@@ -89,6 +90,8 @@ def cmd_vision(args) -> int:
     from lookm_jax.train import vision
 
     config = train_config(args)
+    if args.stop_after == 0 and not os.path.isfile(os.path.join(args.output, vision.CHECKPOINT)):
+        raise ValueError(f"--stop-after 0 exports the run's checkpoint, and {args.output} has none")
     start = None
     if args.init:
         if not os.path.isfile(args.init):
