@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny config on CPU: checks that the script runs")
     parser.add_argument("--new-tokens", type=at_least(1), default=64)
     parser.add_argument("--repeats", type=at_least(1), default=3)
-    parser.add_argument("--long-lengths", type=at_least(1), nargs="*", default=[])
+    parser.add_argument("--long-lengths", type=int, nargs="*", default=[])
     parser.add_argument("--json", type=json_path, help="also write every printed figure to this JSON file")
     args = parser.parse_args()
     if args.tiny:

@@ -43,9 +43,7 @@ def attention_received(model, input_ids, pixel_values=None) -> np.ndarray:
     ids = np.asarray(input_ids)
     if ids.ndim not in (1, 2) or (ids.ndim == 2 and ids.shape[0] != 1):
         raise ValueError(f"attention_received takes one prompt, ids [L] or [1, L]; got shape {ids.shape}")
-    ids, _ = inputs.token_ids(model.config, ids.reshape(1, -1))  # ids in the vocabulary
-    inputs.check_bucket(ids.shape[1], model.buckets)
-    inputs.check_context(model.text_config, ids.shape[1], 0, ignore_context_limit=False)
+    ids, _ = inputs.forward_ids(model, ids.reshape(1, -1))
     packed, valid = gen.pack_prompts(ids, None, model.buckets)
     pixels = inputs.pixel_values(model.config, model.dtype, packed, valid, pixel_values)
     received = attention_received_padded(model.config, model.params, jnp.asarray(packed), jnp.asarray(valid), pixels)

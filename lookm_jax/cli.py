@@ -13,7 +13,7 @@ import sys
 
 from lookm_jax.cli_args import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, DTYPES, HelpFormatter, add_method_arguments,
                                 add_prompt_arguments, default_images, finite_float, leading_images, method_from_args,
-                                read_prompt, seed_arg)
+                                path_arg, read_prompt, seed_arg)
 from lookm_jax.errors import InputError
 
 # Command groups: `lookm eval NAME ...`, `lookm plot NAME ...`. Each module listed defines
@@ -56,10 +56,12 @@ def cmd_generate(args) -> int:
     import jax.numpy as jnp
 
     import lookm_jax
+    from lookm_jax import generate as gen
 
     from lookm_jax.inputs import open_image
 
     method = method_from_args(args)  # bad options, prompt files and images are refused before the model loads
+    gen.Sampling(args.temperature, args.top_p)  # validates them
     if args.text_only and args.image:
         raise InputError("--text-only asks for no images; drop --image or --text-only")
     prompt = read_prompt(args)
@@ -141,7 +143,7 @@ def _add_generate(sub) -> None:
                    help="extra prompt bucket lengths, added to the table (default: none beyond 64 ... 16384)")
     g.add_argument("--seed", type=seed_arg, default=0, help="sampling seed")
     g.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    g.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     g.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter and activation dtype")
     add_method_arguments(g)
     g.set_defaults(func=cmd_generate)
@@ -154,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("methods", help="list the compression methods, their parameters and defaults").set_defaults(
         func=cmd_methods)
     c = sub.add_parser("convert", help="convert a checkpoint into a converted folder (fast to load)")
-    c.add_argument("src", help="HF checkpoint folder (llava-hf, original LLaVA layout, llama/qwen2) or .gguf file")
-    c.add_argument("dst", help="converted folder to write (atomically)")
+    c.add_argument("src", type=path_arg, help="HF checkpoint folder (llava-hf, original LLaVA layout, llama/qwen2) or .gguf file")
+    c.add_argument("dst", type=path_arg, help="converted folder to write (atomically)")
     c.add_argument("--force", action="store_true", help="replace DST if it exists (a converted or empty folder only)")
     c.set_defaults(func=cmd_convert)
     for group, help_text in GROUP_HELP.items():

@@ -93,6 +93,15 @@ def check_context(text_config, length: int, max_new_tokens: int, ignore_context_
             "ignore_context_limit=True (`lookm generate --ignore-context-limit`) to run past it deliberately")
 
 
+def forward_ids(model, input_ids, attention_mask=None, ignore_context_limit: bool = False):
+    """ids of a forward pass without generation (logits, attention statistics): `token_ids`, and a
+    length that fits the buckets and the context. -> (ids [B, L] int32, mask [B, L] bool)."""
+    ids, mask = token_ids(model.config, input_ids, attention_mask)
+    check_bucket(ids.shape[1], model.buckets)
+    check_context(model.text_config, ids.shape[1], 0, ignore_context_limit)
+    return ids, mask
+
+
 def pixel_values(config, dtype, ids: np.ndarray, valid: np.ndarray, pixels) -> jax.Array | None:
     """pixels [units, C, H, W] matching the prompt's placeholders (units = images, or tiles)."""
     multimodal = llava.is_multimodal(config)

@@ -118,10 +118,8 @@ class Model:
     def logits(self, input_ids, pixel_values=None, attention_mask=None, *,
                ignore_context_limit: bool = False) -> np.ndarray:
         """HF-style forward: [B, L] ids -> [B, L, V] float32 logits (positions 0..L-1, mask on keys)."""
-        ids, valid = inputs.token_ids(self.config, input_ids, attention_mask)
+        ids, valid = inputs.forward_ids(self, input_ids, attention_mask, ignore_context_limit)
         length = ids.shape[1]
-        inputs.check_bucket(length, self.buckets)
-        inputs.check_context(self.text_config, length, 0, ignore_context_limit)
         bucket = gen.bucket_length(length, self.buckets)
         pad = ((0, 0), (0, bucket - length))
         pixels = inputs.pixel_values(self.config, self.dtype, ids, valid, pixel_values)

@@ -125,34 +125,38 @@ class LlamaConfig:
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if "rope_theta" in d and "rope_theta" not in rope:
             rope = {**rope, "rope_theta": d["rope_theta"]}
-        try:
-            return cls._from_hf_fields(d, rope, model_type, where)
-        except ConfigError:
-            raise
-        except (TypeError, ValueError, ZeroDivisionError) as err:  # int("abc"), float(None), hidden // 0
-            raise ConfigError(f"{where}: sizes and rates must be positive numbers ({type(err).__name__}: {err})") from None
 
-    @classmethod
-    def _from_hf_fields(cls, d: dict[str, Any], rope: dict, model_type: str, where: str) -> "LlamaConfig":
+        def integer(name: str, default: int) -> int:  # absent or null: HF's default
+            value = d.get(name)
+            if value is None:
+                return default
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{where}: {name} must be an integer, got {value!r}")
+            return value
+
         # Hub configs (e.g. llava-1.5's text_config) omit fields left at HF's LlamaConfig defaults.
-        heads, hidden = int(d.get("num_attention_heads", 32)), int(d.get("hidden_size", 4096))
+        heads, hidden = integer("num_attention_heads", 32), integer("hidden_size", 4096)
         eos = d.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        try:
+            rms_norm_eps = float(d.get("rms_norm_eps", 1e-6))
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: rms_norm_eps must be a number, got {d.get('rms_norm_eps')!r}") from None
         return cls(
-            vocab_size=int(d.get("vocab_size", 32000)),
+            vocab_size=integer("vocab_size", 32000),
             hidden_size=hidden,
-            intermediate_size=int(d.get("intermediate_size", 11008)),
-            num_layers=int(d.get("num_hidden_layers", 32)),
+            intermediate_size=integer("intermediate_size", 11008),
+            num_layers=integer("num_hidden_layers", 32),
             num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=integer("num_key_value_heads", heads),
+            head_dim=integer("head_dim", hidden // heads if heads > 0 else 0),
+            rms_norm_eps=rms_norm_eps,
             rope=RopeConfig.from_hf(rope, where),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos,
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            max_position_embeddings=integer("max_position_embeddings", 2048),
         )
 
 

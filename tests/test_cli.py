@@ -15,6 +15,7 @@ import pytest
 import lookm_jax
 from lookm_jax import cli, loading
 from lookm_jax.convert import store
+from lookm_jax.errors import InputError
 
 
 @pytest.fixture
@@ -158,8 +159,14 @@ def test_convert_then_load_gives_the_same_model(tiny_llava_folder, tmp_path, cap
     _fails(capsys, ["convert", str(tmp_path / "none"), "out"], "not a folder or .gguf file")
     _fails(capsys, ["convert", str(work / "bad"), "out"], "no config.json")
     (work / "keep.txt").write_text("x")  # "" and "." name the working directory: never replaced
-    _fails(capsys, ["convert", tiny_llava_folder, ""], "path is empty")
-    _fails(capsys, ["convert", tiny_llava_folder, ".", "--force"], "neither a converted folder nor empty")
-    assert sorted(os.listdir(work)) == ["bad", "keep.txt"]
+    _fails(capsys, ["convert", tiny_llava_folder, ""], "argument dst: must be a path, got an empty string")
+    _fails(capsys, ["convert", tiny_llava_folder, ".", "--force"], ". is the working directory or holds it")
+    _fails(capsys, ["convert", tiny_llava_folder, str(work), "--force"], "is the working directory or holds it")
+    (work / "other").mkdir()
+    (work / "other" / "notes.txt").write_text("x")
+    _fails(capsys, ["convert", tiny_llava_folder, "other", "--force"], "neither a converted folder nor empty")
+    with pytest.raises(InputError, match="the converted folder's path is empty"):
+        lookm_jax.load(tiny_llava_folder).save("")
+    assert sorted(os.listdir(work)) == ["bad", "keep.txt", "other"] and os.listdir(work / "other") == ["notes.txt"]
     assert cli.main(["convert", tiny_llava_folder, str(dst), "--force"]) == 0
     assert sorted(os.listdir(tmp_path)) == ["converted", "work"]  # no temporary folder left

@@ -95,7 +95,9 @@ def test_missing_tensor_is_named(checkpoint, tmp_path):
     (lambda c: c["vision_config"].update(hidden_act="gelu"), "hidden_act='gelu'"),
     (lambda c: c.update(vision_feature_select_strategy="pooled"), "vision_feature_select_strategy='pooled'"),
     (lambda c: c["text_config"].update(num_hidden_layers=0), r"config sizes must be >= 1, got \{'num_hidden_layers': 0\}"),
-    (lambda c: c["text_config"].update(rms_norm_eps="abc"), "text_config: sizes and rates must be positive numbers"),
+    (lambda c: c["text_config"].update(rms_norm_eps="abc"), "text_config: rms_norm_eps must be a number, got 'abc'"),
+    (lambda c: c["text_config"].update(num_key_value_heads=0), r"config sizes must be >= 1, got \{'num_key_value_heads': 0\}"),
+    (lambda c: c["text_config"].update(vocab_size=1.7), "text_config: vocab_size must be an integer, got 1.7"),
     (lambda c: c["text_config"].update(rms_norm_eps=-1.0), "rms_norm_eps and rope_theta must be > 0"),
 ])
 def test_unsupported_config_is_refused(checkpoint, tmp_path, edit, message):

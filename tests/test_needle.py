@@ -286,7 +286,9 @@ def test_cli_refuses_unknown_methods_before_loading_anything(capsys):
     assert main(["eval", "needle", "sweep", "--samples", "4", "--first-sample", "4"]) == 2
     assert "--first-sample must be in [0, --samples - 1] = [0, 3], got 4" in capsys.readouterr().err
     assert main(["eval", "needle", "calibrate", "--methods", "h2o"]) == 2
-    assert "calibrate runs the full cache only; --methods is for sweep" in capsys.readouterr().err
+    assert "calibrate runs the full cache only; --methods and --budgets are for sweep" in capsys.readouterr().err
+    assert main(["eval", "needle", "calibrate", "--budgets", "0.2"]) == 2
+    assert "--methods and --budgets are for sweep" in capsys.readouterr().err
     assert main(["eval", "needle", "calibrate", "--text-only", "--image-fraction", "0.5"]) == 2
     assert "--text-only has no images" in capsys.readouterr().err
 
@@ -296,7 +298,7 @@ def test_lengths_beyond_the_buckets_are_refused_before_any_haystack_is_built(tmp
 
     argv = ["eval", "needle", "calibrate", "--jsonl", str(tmp_path / "r.jsonl"), "--output", str(tmp_path / "t.csv")]
     assert main([*argv, "--lengths", "1024", "100000000"]) == 2
-    assert "prompt of 100000000 tokens is longer than the largest bucket" in capsys.readouterr().err
-    assert main([*argv, "--lengths", "9000"]) == 2
-    assert "exceed the model's context length (8192" in capsys.readouterr().err
+    assert "--lengths 100000000: the prompt must fit the largest bucket (16384)" in capsys.readouterr().err
+    assert main([*argv, "--lengths", "8170"]) == 2
+    assert "with --max-new-tokens 32, the model's context (8192)" in capsys.readouterr().err
     assert not os.listdir(tmp_path)

@@ -243,8 +243,8 @@ def check_run_arguments(args, jsonl: str, output: str) -> None:
         raise InputError(f"--jsonl and --output are the same file ({jsonl}): the summary would overwrite the rows")
     if args.max_decode_rows < 1:
         raise InputError(f"--max-decode-rows must be >= 1, got {args.max_decode_rows}")
-    if args.mode == "calibrate" and args.methods:
-        raise InputError("calibrate runs the full cache only; --methods is for sweep")
+    if args.mode == "calibrate" and (args.methods or args.budgets is not None):
+        raise InputError("calibrate runs the full cache only; --methods and --budgets are for sweep")
 
 
 def format_table(table: list[dict], column: str = "accuracy") -> str:

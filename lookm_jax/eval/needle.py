@@ -14,8 +14,8 @@ import re
 
 import numpy as np
 
-from lookm_jax import inputs
 from lookm_jax.cli_args import DEFAULT_IMAGES, path_arg, seed_arg
+from lookm_jax.errors import InputError
 from lookm_jax.eval import harness
 from lookm_jax.eval.harness import (DEFAULT_BUDGETS, SweepConfig, format_table, read_rows, summarize,
                                     sweep_configs, write_csv)
@@ -161,9 +161,11 @@ def run_sweep(model, configs: list[SweepConfig], lengths, n: int, seed: int, jso
     it (to split a sweep over processes, each with its own JSONL). Returns every row of the file for
     these settings."""
     image_seq_length = 0 if text_only else model.config.image_seq_length
+    longest, context = max(model.buckets), model.text_config.max_position_embeddings
     for length in lengths:  # before any haystack is built
-        inputs.check_bucket(length, model.buckets)
-        inputs.check_context(model.text_config, length, max_new_tokens, ignore_context_limit=False)
+        if length > longest or length + max_new_tokens > context:
+            raise InputError(f"--lengths {length}: the prompt must fit the largest bucket ({longest}) and, with "
+                             f"--max-new-tokens {max_new_tokens}, the model's context ({context})")
     batches = []
     for length in lengths:
         samples = make_samples(model.tokenizer, length, n, seed, image_seq_length=image_seq_length,
@@ -222,8 +224,8 @@ def add_parser(subparsers) -> None:
                         "1024 and 1280 at the default image fraction)")
     p.add_argument("--samples", type=int, default=52,
                    help="samples per length, each config answers all (a multiple of --batch-size compiles once)")
-    p.add_argument("--budgets", type=float, nargs="+", default=list(DEFAULT_BUDGETS),
-                   help="kept fractions of the prompt, each in (0, 1]")
+    p.add_argument("--budgets", type=float, nargs="+",
+                   help=f"kept fractions of the prompt to sweep, each in (0, 1] (default: {' '.join(map(str, DEFAULT_BUDGETS))})")
     p.add_argument("--methods", nargs="+", help="methods to sweep (default: all; lookm = its 8 variants)")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the haystacks and needles")
     p.add_argument("--batch-size", type=int, default=4, help="samples prefilled together")
@@ -257,7 +259,8 @@ def cmd_needle(args) -> int:
     if args.text_only and args.image_fraction is not None:
         raise ValueError("--image-fraction sets the images' share of the prompt; --text-only has no images")
     image_fraction = 0.75 if args.image_fraction is None else args.image_fraction
-    configs = sweep_configs(["full"] if args.mode == "calibrate" else (args.methods or METHODS), args.budgets)
+    configs = sweep_configs(["full"] if args.mode == "calibrate" else (args.methods or METHODS),
+                            args.budgets or DEFAULT_BUDGETS)
     print(f"needle {args.mode}: {len(configs)} configs x lengths {args.lengths} x {args.samples} samples, "
           f"seed {args.seed}, load average {harness.load_average()}", flush=True)
     if args.report_only:

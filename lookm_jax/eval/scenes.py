@@ -199,8 +199,8 @@ def add_parser(subparsers) -> None:
                    help=f"pictures per prompt, each in [2, {len(scenes.NUMBERS) - 1}]")
     p.add_argument("--samples", type=int, default=52,
                    help="samples per task and picture count (a multiple of --batch-size compiles once)")
-    p.add_argument("--budgets", type=float, nargs="+", default=list(harness.DEFAULT_BUDGETS),
-                   help="kept fractions of the prompt, each in (0, 1]")
+    p.add_argument("--budgets", type=float, nargs="+",
+                   help=f"kept fractions of the prompt to sweep, each in (0, 1] (default: {' '.join(map(str, harness.DEFAULT_BUDGETS))})")
     p.add_argument("--methods", nargs="+", help="methods to sweep (default: all; lookm = its 8 variants)")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the bench split's pictures and questions")
     p.add_argument("--batch-size", type=int, default=4, help="samples prefilled together")
@@ -236,7 +236,8 @@ def cmd_scenes(args) -> int:
     if asked == ASKED[1] and "needle" in args.tasks:
         raise ValueError(f"--ask-after-compression applies to the picture tasks {scenes.MULTI_KINDS}; drop needle "
                          "from --tasks")
-    configs = harness.sweep_configs(["full"] if args.mode == "calibrate" else (args.methods or METHODS), args.budgets)
+    configs = harness.sweep_configs(["full"] if args.mode == "calibrate" else (args.methods or METHODS),
+                                    args.budgets or harness.DEFAULT_BUDGETS)
     print(f"scenes {args.mode}: {len(configs)} configs x tasks {' '.join(args.tasks)} x pictures {args.pictures} x "
           f"{args.samples} samples, seed {args.seed}, load average {harness.load_average()}", flush=True)
     if args.report_only:

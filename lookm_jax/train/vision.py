@@ -195,9 +195,12 @@ def load_checkpoint(directory: str, trainable: dict, opt_state, config: TrainCon
         data = f.read()
     try:
         state = flax.serialization.msgpack_restore(data)
+        saved = json.loads(state.pop("settings", "{}"))  # a checkpoint from before settings were saved: {}
+        if not isinstance(saved, dict):
+            raise TypeError(f"settings {saved!r}")
     except Exception as err:  # msgpack's errors share no base class beyond Exception
         raise ValueError(f"{path}: not a readable checkpoint ({err}); delete it or give another --output") from None
-    saved, settings = json.loads(state.pop("settings", "{}")), _settings(config)
+    settings = _settings(config)
     changed = "; ".join(f"{k}: {saved[k]} -> {v}" for k, v in settings.items() if k in saved and saved[k] != v)
     if changed:
         raise ValueError(f"{path} was written with other settings ({changed}); resume with the same flags or "
