@@ -38,26 +38,25 @@ def path_arg(text: str) -> str:
     return text
 
 
+def _typed(text: str, convert, accepted, expected: str):
+    """`convert(text)` when it parses and is `accepted`; else argparse's error "must be EXPECTED"."""
+    try:
+        value = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}") from None
+    if not accepted(value):
+        raise argparse.ArgumentTypeError(f"must be {expected}, got {text}")
+    return value
+
+
 def seed_arg(text: str) -> int:
     """argparse type of --seed: an int in [0, MAX_SEED] (`Model.run`'s range)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, {MAX_SEED}], got {text!r}") from None
-    if not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, {MAX_SEED}], got {text}")
-    return value
+    return _typed(text, int, lambda v: 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]")
 
 
 def finite_float(text: str) -> float:
     """argparse type of a float option whose range check would let nan or inf through."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value
+    return _typed(text, float, math.isfinite, "a finite number")
 
 
 def add_method_arguments(parser: argparse.ArgumentParser) -> None:
