@@ -19,7 +19,7 @@ import json
 import re
 
 from lookm_jax import scenes
-from bench_args import json_path
+from bench_args import at_least, json_path
 
 INSTRUCTION = " Answer with one word."
 
@@ -45,12 +45,10 @@ def content_answer(output: str, question: scenes.Question) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--samples", type=int, default=60, help="held-out questions (the 4 kinds in turn)")
-    parser.add_argument("--max-new-tokens", type=int, default=14, help="greedy tokens per answer")
+    parser.add_argument("--samples", type=at_least(1), default=60, help="held-out questions (the 4 kinds in turn)")
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=14, help="greedy tokens per answer")
     parser.add_argument("--json", metavar="PATH", type=json_path, help="also write the figures to PATH")
     args = parser.parse_args()
-    if args.samples < 1 or args.max_new_tokens < 1:
-        parser.error(f"--samples and --max-new-tokens must be >= 1, got {args.samples}, {args.max_new_tokens}")
 
     import numpy as np
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from bench_args import json_path
+from bench_args import at_least, json_path
 
 
 def main() -> None:
@@ -22,12 +22,10 @@ def main() -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--weights", metavar="PATH", help="a demo_vision.safetensors (default: the shipped one)")
     source.add_argument("--init", action="store_true", help="the seeded, untrained tower")
-    parser.add_argument("--train", type=int, default=1024, help="training scenes the probes are fitted on")
-    parser.add_argument("--heldout", type=int, default=256, help="held-out scenes they are read on")
+    parser.add_argument("--train", type=at_least(1), default=1024, help="training scenes the probes are fitted on")
+    parser.add_argument("--heldout", type=at_least(1), default=256, help="held-out scenes they are read on")
     parser.add_argument("--json", metavar="PATH", type=json_path, help="also write the figures to PATH")
     args = parser.parse_args()
-    if args.train < 1 or args.heldout < 1:
-        parser.error(f"--train and --heldout must be >= 1, got {args.train}, {args.heldout}")
 
     import jax
     import jax.numpy as jnp

@@ -61,8 +61,8 @@ def check_replaceable(path: str) -> None:
     folder holding it, or an existing path that is neither a converted folder nor an empty folder."""
     if not path:
         raise InputError("the converted folder's path is empty")
-    here = os.getcwd()
-    if os.path.commonpath([os.path.abspath(path), here]) == os.path.abspath(path):
+    target = os.path.abspath(path)
+    if os.path.commonpath([target, os.getcwd()]) == target:
         raise InputError(f"{path} is the working directory or holds it; refusing to replace it")
     if os.path.exists(path) and not (is_converted(path) or (os.path.isdir(path) and not os.listdir(path))):
         raise InputError(f"{path} exists and is neither a converted folder nor empty; refusing to replace it")

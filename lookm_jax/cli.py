@@ -118,7 +118,7 @@ def cmd_convert(args) -> int:
 
     if store.is_converted(args.src):
         raise InputError(f"{args.src} is already a converted folder")
-    if args.dst and os.path.exists(args.dst) and not args.force:
+    if os.path.exists(args.dst) and not args.force:
         raise InputError(f"{args.dst} exists; pass --force to replace it")
     store.check_replaceable(args.dst)
     with tqdm(total=2, desc="lookm convert", unit="step", leave=False) as bar:

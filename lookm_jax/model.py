@@ -205,9 +205,10 @@ class Model:
         """
         from lookm_jax.convert.tokenizer import apply_chat_template
 
-        if as_int(num_images) is None or num_images < 0:
+        count = as_int(num_images)
+        if count is None or count < 0:
             raise InputError(f"num_images must be an int >= 0, got {num_images!r}")
-        num_images = as_int(num_images)
+        num_images = count
         if self.tokenizer is None:
             raise InputError("this model has no tokenizer; pass input_ids")
         if num_images and not self.is_multimodal:
@@ -226,8 +227,9 @@ class Model:
                 break
             kept.append(int(t))
         vocab = self.text_config.vocab_size
-        if any(not 0 <= t < vocab for t in kept):
-            raise InputError(f"token ids must be in [0, {vocab}), got {[t for t in kept if not 0 <= t < vocab][:5]}")
+        outside = [t for t in kept if not 0 <= t < vocab]
+        if outside:
+            raise InputError(f"token ids must be in [0, {vocab}), got {outside[:5]}")
         return self.tokenizer.decode(kept, skip_special_tokens=True)
 
     def save(self, path: str) -> None:

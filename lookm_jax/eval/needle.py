@@ -24,6 +24,7 @@ from lookm_jax.models.processors import IMAGE_MARKER
 # SmolLM2's chat template with its default system prompt adds 30 tokens around the user turn.
 CHAT_TEMPLATE_TOKENS = 30
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+DEFAULT_IMAGE_FRACTION = 0.75  # share of the prompt's tokens in images
 QUESTION = "What is the special magic number for {word}? Answer with the number only."
 NEEDLE = "The special magic number for {word} is {number}."
 
@@ -114,7 +115,7 @@ def _build(tokenizer, rng, length, image_seq_length, image_fraction, depth) -> N
 
 
 def make_samples(tokenizer, length: int, n: int, seed: int, *, image_seq_length: int = 0,
-                 image_fraction: float = 0.75, depths=DEFAULT_DEPTHS) -> list[NeedleSample]:
+                 image_fraction: float = DEFAULT_IMAGE_FRACTION, depths=DEFAULT_DEPTHS) -> list[NeedleSample]:
     """n samples whose chat-templated prompt is about `length` tokens.
 
     Each image counts image_seq_length tokens (0: text only, no images); images take about
@@ -154,7 +155,7 @@ def _pixel_values(model, num_images: int) -> np.ndarray | None:
 
 
 def run_sweep(model, configs: list[SweepConfig], lengths, n: int, seed: int, jsonl_path: str, *,
-              text_only: bool = False, image_fraction: float = 0.75, batch_size: int = 4, max_new_tokens: int = 32,
+              text_only: bool = False, image_fraction: float = DEFAULT_IMAGE_FRACTION, batch_size: int = 4, max_new_tokens: int = 32,
               max_decode_rows: int = 16, first_sample: int = 0, log=print) -> list[dict]:
     """Answer n needle samples per length with every config (`harness.run_prompts`: one prefill per
     batch of `batch_size`, greedy, resumable JSONL rows). `first_sample` > 0 skips the samples before
@@ -233,7 +234,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-decode-rows", type=int, default=16, help="rows per shared decode call")
     p.add_argument("--text-only", action="store_true", help="no images (plain-text haystacks)")
     p.add_argument("--image-fraction", type=float,
-                   help="share of the prompt's tokens in images, in [0, 1) (default: 0.75; not with --text-only)")
+                   help=f"share of the prompt's tokens in images, in [0, 1) (default: {DEFAULT_IMAGE_FRACTION}; not with --text-only)")
     p.add_argument("--jsonl", type=path_arg, help="per-sample rows, appended and resumed (default: results/needle/MODE.jsonl)")
     p.add_argument("--output", type=path_arg, help="summary CSV (default: docs/needle_MODE.csv)")
     p.add_argument("--first-sample", type=int, default=0,
@@ -258,7 +259,7 @@ def cmd_needle(args) -> int:
     harness.check_run_arguments(args, jsonl, output)
     if args.text_only and args.image_fraction is not None:
         raise ValueError("--image-fraction sets the images' share of the prompt; --text-only has no images")
-    image_fraction = 0.75 if args.image_fraction is None else args.image_fraction
+    image_fraction = DEFAULT_IMAGE_FRACTION if args.image_fraction is None else args.image_fraction
     configs = sweep_configs(["full"] if args.mode == "calibrate" else (args.methods or METHODS),
                             args.budgets or DEFAULT_BUDGETS)
     print(f"needle {args.mode}: {len(configs)} configs x lengths {args.lengths} x {args.samples} samples, "

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from lookm_jax.checks import is_real
 from lookm_jax.models import llama, llava
 from lookm_jax.train.data import Batch, BatchSpec, Encoder
 from lookm_jax.train import tower
@@ -78,7 +79,7 @@ class TrainConfig:
             raise ValueError(f"need 1 <= anchor_batch_size <= anchor_scenes, got {self.anchor_batch_size}, "
                              f"{self.anchor_scenes}")
         for name in ("learning_rate", "anchor_weight"):
-            if not np.isfinite(getattr(self, name)):
+            if not is_real(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if not self.learning_rate > 0 or self.warmup_steps < 0 or self.warmup_steps >= self.steps:
             raise ValueError(f"need learning_rate > 0 and 0 <= warmup_steps < steps, got "
