@@ -190,6 +190,28 @@ def test_training_conversation_matches_inference_prompt(demo):
     assert ids.count(demo.config.image_token_id) == demo.config.image_seq_length
 
 
+@pytest.mark.parametrize("turns", range(1, data.MAX_SINGLE_TURNS + 1))
+def test_single_picture_spec_fits_its_conversations(demo, turns):
+    encoder = data.Encoder.of(demo)
+    spec = data.single_picture_spec(batch_size=4, turns=turns)
+    lengths, answers = [], []
+    for i in range(200):
+        ids, role = encoder.conversation(data.single_picture_conversation(
+            scenes.single_picture_sample("train", 0, i, turns)))
+        lengths.append(len(ids))
+        answers.append(sum(r > 0 for r in role))
+    assert max(lengths) <= spec.length and max(answers) <= spec.max_targets
+    assert max(lengths) > spec.length - 32  # the static length is not padding for its own sake
+    batch = spec.make(encoder, "train", 0, 0, demo.config.pixel_shape[-1])
+    assert batch.answer_start.sum() == sum(len(s.questions) for s in scenes.single_picture_samples("train", 0, 4, turns))
+
+
+def test_single_picture_spec_refuses_turns_out_of_range():
+    for turns in (0, data.MAX_SINGLE_TURNS + 1):
+        with pytest.raises(ValueError, match=r"turns must be in \[1, 3\]"):
+            data.single_picture_spec(8, turns)
+
+
 def test_multi_picture_batch_shapes(demo):
     encoder = data.Encoder.of(demo)
     spec = vision.TrainConfig().multi
@@ -255,6 +277,7 @@ def test_train_command_refuses_bad_arguments_before_writing(tmp_path, capsys):
                                  ("--anchor-weight", "1", "--anchor-weight must be >= 0, and > 0 only with "
                                                           "--tower-lr-scale > 0, got 1.0 with --tower-lr-scale 0.0"),
                                  ("--stop-after", "-1", "--stop-after must be >= 0 steps, got -1"),
+                                 ("--turns", "4", "--turns must be in [1, 3], got 4"),
                                  ("--stop-after", "0", "--stop-after 0 exports the run's checkpoint, and"),
                                  ("--learning-rate", "inf", "argument --learning-rate: must be a finite number, got inf"),
                                  ("--anchor-weight", "nan", "argument --anchor-weight: must be a finite number, got nan"),
@@ -286,6 +309,9 @@ def test_train_command_flags_reach_the_config():
     assert facts.tower_learning_rate_scale == 0.5 and facts.multi.min_pictures == plain.multi.min_pictures
     assert plain.anchor_weight == 0 and config("--tower-lr-scale", "0.2", "--anchor-weight", "0.5").anchor_weight == 0.5
     assert config("--multi-every", "0").multi is None
+    assert plain.single == vision.TrainConfig().single  # the library's default is the command's
+    one = config("--turns", "1", "--batch-size", "16").single
+    assert (one.turns, one.batch_size, one.pictures) == (1, 16, 1) and one.length < plain.single.length
     assert vision.TrainConfig().multi_every == plain.multi_every  # the library's default is the command's
     with pytest.raises(ValueError, match="--text-facts needs multi-picture steps"):
         config("--text-facts", "--multi-every", "0")

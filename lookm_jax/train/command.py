@@ -23,6 +23,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--learning-rate", type=finite_float, default=2e-3, help="stage-1 peak AdamW learning rate")
     p.add_argument("--warmup-steps", type=int, default=30, help="stage-1 linear warmup steps")
     p.add_argument("--batch-size", type=int, default=8, help="single-picture conversations per step")
+    p.add_argument("--turns", type=int, default=3,
+                   help="questions per single-picture conversation, in [1, 3] (the first asked with the picture, "
+                        "as the held-out benchmark asks it; default 3)")
     p.add_argument("--multi-every", type=int, default=4,
                    help="every N-th step trains on conversations over 2-8 pictures instead (0 = never)")
     p.add_argument("--text-facts", action="store_true",
@@ -52,11 +55,13 @@ def train_config(args):
     """The parsed flags -> a `TrainConfig`; a bad value raises ValueError naming its flag."""
     import dataclasses
 
-    from lookm_jax.train import tower, vision
+    from lookm_jax.train import data, tower, vision
 
     if args.multi_every < 0 or args.pretrain_steps < 0 or args.batch_size < 1:
         raise ValueError(f"need --multi-every >= 0, --pretrain-steps >= 0 and --batch-size >= 1, got "
                          f"{args.multi_every}, {args.pretrain_steps}, {args.batch_size}")
+    if not 1 <= args.turns <= data.MAX_SINGLE_TURNS:
+        raise ValueError(f"--turns must be in [1, {data.MAX_SINGLE_TURNS}], got {args.turns}")
     if args.pretrain_scenes < tower.PretrainConfig.batch_size:
         raise ValueError(f"--pretrain-scenes must be >= {tower.PretrainConfig.batch_size} (one stage-0 batch), "
                          f"got {args.pretrain_scenes}")
@@ -72,7 +77,7 @@ def train_config(args):
     defaults = vision.TrainConfig()
     return vision.TrainConfig(
         steps=args.steps, learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
-        single=dataclasses.replace(defaults.single, batch_size=args.batch_size),
+        single=data.single_picture_spec(args.batch_size, args.turns),
         multi=dataclasses.replace(defaults.multi, text_facts=args.text_facts) if args.multi_every else None,
         multi_every=max(args.multi_every, 1),
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,

@@ -18,6 +18,9 @@ from lookm_jax.convert.tokenizer import apply_chat_template
 from lookm_jax.models.processors import Processor
 
 
+MAX_SINGLE_TURNS = 3  # `single_picture_spec` fits conversations of up to this many questions
+
+
 @dataclasses.dataclass(frozen=True)
 class Batch:
     ids: np.ndarray  # [B, L] int32, right-padded, one placeholder per image feature
@@ -91,6 +94,15 @@ class Encoder:
             first[i, :len(where)] = [role[t] == 1 for t in where]
         pixel_values = self.pixels(pictures)
         return Batch(ids, valid, pixel_values, positions, targets, mask, first)
+
+
+def single_picture_spec(batch_size: int, turns: int) -> BatchSpec:
+    """Single-picture conversations of `turns` questions; the static length fits every one (measured
+    over 3000 training scenes: 111 / 136 / 161 tokens at most for 1 / 2 / 3 turns)."""
+    if not 1 <= turns <= MAX_SINGLE_TURNS:
+        raise ValueError(f"turns must be in [1, {MAX_SINGLE_TURNS}], got {turns}")
+    return BatchSpec(batch_size=batch_size, pictures=1, turns=turns, length=128 + 24 * (turns - 1),
+                     max_targets=4 * turns)
 
 
 def single_picture_conversation(sample: scenes.SingleSample) -> list[tuple[str, str]]:

@@ -29,7 +29,7 @@ import optax
 
 from lookm_jax.checks import is_real
 from lookm_jax.models import llama, llava
-from lookm_jax.train.data import Batch, BatchSpec, Encoder
+from lookm_jax.train.data import Batch, BatchSpec, Encoder, single_picture_spec
 from lookm_jax.train import tower
 
 CHECKPOINT = "checkpoint.msgpack"
@@ -45,7 +45,7 @@ class TrainConfig:
     weight_decay: float = 0.05
     clip_norm: float = 1.0
     seed: int = 0
-    single: BatchSpec = BatchSpec(batch_size=8, pictures=1, turns=3, length=176, max_targets=12)
+    single: BatchSpec = single_picture_spec(batch_size=8, turns=3)
     multi: BatchSpec | None = BatchSpec(batch_size=2, pictures=8, turns=3, length=672, max_targets=16, min_pictures=2)
     multi_every: int = 4  # every multi_every-th step (1-based) uses the multi-picture batch
     eval_every: int = 50
