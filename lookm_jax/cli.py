@@ -11,10 +11,10 @@ import importlib
 import os
 import sys
 
-from lookm_jax.cli_args import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, DTYPES, HelpFormatter, add_method_arguments,
+from lookm_jax.cli_args import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, HelpFormatter, add_method_arguments,
                                 add_prompt_arguments, default_images, finite_float, leading_images, method_from_args,
                                 path_arg, read_prompt, seed_arg)
-from lookm_jax.errors import InputError
+from lookm_jax.errors import PARAM_DTYPES, InputError
 
 # Command groups: `lookm eval NAME ...`, `lookm plot NAME ...`. Each module listed defines
 # `add_parser(subparsers)`, adding its command with `set_defaults(func=...)`; modules keep heavy
@@ -53,8 +53,6 @@ def _add_buckets(model, extra: list[int] | None) -> None:
 
 
 def cmd_generate(args) -> int:
-    import jax.numpy as jnp
-
     import lookm_jax
     from lookm_jax import generate as gen
 
@@ -66,8 +64,7 @@ def cmd_generate(args) -> int:
         raise InputError("--text-only asks for no images; drop --image or --text-only")
     prompt = read_prompt(args)
     pictures = [open_image(path) for path in args.image or ()]
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
-    model = lookm_jax.load(args.model, dtype) if args.model else lookm_jax.load_default(dtype)
+    model = lookm_jax.load(args.model, args.dtype) if args.model else lookm_jax.load_default(args.dtype)
     _add_buckets(model, args.buckets)
     if not args.model:
         print(f"note: the demo model is the real SmolLM2-135M-Instruct decoder; {model.manifest['vision']}")
@@ -144,7 +141,7 @@ def _add_generate(sub) -> None:
     g.add_argument("--seed", type=seed_arg, default=0, help="sampling seed")
     g.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass, in (0, 1]")
-    g.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter and activation dtype")
+    g.add_argument("--dtype", choices=PARAM_DTYPES, default="float32", help="parameter and activation dtype")
     add_method_arguments(g)
     g.set_defaults(func=cmd_generate)
 

@@ -11,7 +11,7 @@ import math
 import os
 import sys
 
-from lookm_jax.errors import MAX_SEED, InputError
+from lookm_jax.errors import MAX_SEED, PARAM_DTYPES, InputError
 from lookm_jax.models.processors import IMAGE_MARKER
 
 # The demo: two bundled scenes (lookm_jax.scenes.DEMO_SCENES), each after its "Picture k:" marker.
@@ -19,7 +19,6 @@ ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 DEFAULT_IMAGES = [os.path.join(ASSETS, "scene_1.png"), os.path.join(ASSETS, "scene_2.png")]
 DEFAULT_PROMPT = "Picture 1: <image>\nPicture 2: <image>\nWhat colour is the shape in picture 2?"
 DEFAULT_TEXT_PROMPT = "Write a haiku about the sea."  # the default prompt without pictures (--text-only)
-DTYPES = ("float32", "bfloat16")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

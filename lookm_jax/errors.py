@@ -8,6 +8,7 @@ was given and the range that is accepted; the CLI prints it as one line and exit
 from __future__ import annotations
 
 MAX_SEED = 2**32 - 1  # seeds are ints in [0, MAX_SEED]: `Model.run` and every --seed
+PARAM_DTYPES = ("float32", "bfloat16")  # what `load`, `Model.astype` and every --dtype accept
 
 
 class InputError(ValueError):

@@ -17,7 +17,7 @@ import numpy as np
 
 from lookm_jax import generate as gen
 from lookm_jax.checks import as_int, is_int_at_least
-from lookm_jax.errors import MAX_SEED, InputError, PromptTooLongError
+from lookm_jax.errors import MAX_SEED, PARAM_DTYPES, InputError, PromptTooLongError
 from lookm_jax.models import llava
 
 
@@ -37,6 +37,16 @@ class Prompt:
 def check_max_new_tokens(max_new_tokens) -> None:
     if not is_int_at_least(max_new_tokens, 1):
         raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+
+
+def check_dtype(dtype) -> None:
+    """A parameter and activation dtype the programs support (`PARAM_DTYPES`, by name or dtype)."""
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in PARAM_DTYPES:
+        raise InputError(f"dtype must be one of {', '.join(PARAM_DTYPES)}, got {name or repr(dtype)}")
 
 
 def check_seed(seed) -> None:

@@ -21,6 +21,7 @@ from lookm_jax.convert import original_llava, store
 from lookm_jax.convert.hf import load_hf_folder, parse_config, params_from_hf
 from lookm_jax.convert.tables import CheckpointError, read_json_object
 from lookm_jax.errors import InputError
+from lookm_jax.inputs import check_dtype
 from lookm_jax.model import Model
 from lookm_jax.models import llama, llava
 
@@ -120,20 +121,12 @@ def read_checkpoint(path: str) -> tuple[dict, dict, str | None]:
     return _read_hf(path)
 
 
-PARAM_DTYPES = (jnp.float32, jnp.bfloat16)  # the parameter and activation dtypes the programs support
-
-
 def load(path: str, dtype=jnp.float32) -> Model:
     """An HF checkpoint folder (llava or llama), a converted folder, or a .gguf file -> Model."""
     if not isinstance(path, (str, os.PathLike)):
         raise InputError(f"path must be a folder or .gguf file path, got {path!r}")
-    _check_dtype(dtype)
+    check_dtype(dtype)
     return _from_manifest(*read_checkpoint(os.fspath(path)), dtype)
-
-
-def _check_dtype(dtype) -> None:
-    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in PARAM_DTYPES]:
-        raise InputError(f"dtype must be one of float32, bfloat16, got {jnp.dtype(dtype).name}")
 
 
 def demo_vision_init(hf_config: dict, seed: int = DEMO_SEED) -> dict:
@@ -250,7 +243,7 @@ def load_default(dtype=jnp.float32) -> Model:
     `cache_dir()` in a folder keyed by `demo_key`."""
     from lookm_jax.convert.gguf import smollm2_gguf_path
 
-    _check_dtype(dtype)  # before the first call's conversion
+    check_dtype(dtype)  # before the first call's conversion
     gguf_path = smollm2_gguf_path()
     path = os.path.join(cache_dir(), f"{DEMO_NAME}-{demo_key(gguf_path)}")
     if not store.is_converted(path):

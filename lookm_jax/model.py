@@ -99,7 +99,8 @@ class Model:
         return len(self._compiled)
 
     def astype(self, dtype) -> "Model":
-        """The same model with every parameter cast (e.g. jnp.bfloat16)."""
+        """The same model with every parameter cast (e.g. jnp.bfloat16; `errors.PARAM_DTYPES`)."""
+        inputs.check_dtype(dtype)
         params = jax.tree.map(lambda a: a.astype(dtype), self.params)
         return dataclasses.replace(self, params=params, _compiled={})
 

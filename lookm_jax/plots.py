@@ -13,8 +13,8 @@ import csv
 import os
 
 from lookm_jax.cli_args import add_prompt_arguments, default_images, leading_images, path_arg, read_prompt
+from lookm_jax.eval.harness import CSV_COLUMNS as SWEEP_COLUMNS  # what `lookm eval needle/scenes` write
 
-SWEEP_COLUMNS = ("label", "method", "text_prior", "merge", "budget", "length", "samples", "accuracy", "fidelity")
 METRICS = ("accuracy", "fidelity")
 DPI = 100
 SWEEP_PANEL_INCHES = (4.0, 3.6)  # one panel per prompt length

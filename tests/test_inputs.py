@@ -164,6 +164,11 @@ def test_other_requests_are_refused_with_input_error(tiny, prompt):
         lookm_jax.load(None)
     with pytest.raises(InputError, match="dtype must be one of float32, bfloat16, got int8"):
         lookm_jax.load_default(np.int8)
+    with pytest.raises(InputError, match="dtype must be one of float32, bfloat16, got 'fp8'"):
+        lookm_jax.load_default("fp8")
+    with pytest.raises(InputError, match="dtype must be one of float32, bfloat16, got float16"):
+        tiny.astype(np.float16)
+    assert tiny.astype("bfloat16").params["text"]["embed"].dtype == jnp.bfloat16
     with pytest.raises(InputError, match="image_tiles is only for tiling"):
         tiny.processor.encode(None, "x", [1])
     assert isinstance(tiny.config, LlavaConfig) and not tiny.processor.tiling

@@ -29,7 +29,8 @@ import time
 
 import numpy as np
 
-from lookm_jax.cli_args import DTYPES, add_method_arguments, method_from_args, path_arg
+from lookm_jax.cli_args import add_method_arguments, method_from_args, path_arg
+from lookm_jax.errors import PARAM_DTYPES
 from lookm_jax.eval import harness, jsonl
 from lookm_jax.eval.milebench_scoring import QUESTION_TYPES, choice_letters, normalize, score
 
@@ -334,8 +335,6 @@ def format_table(header: list[str], lines: list[list]) -> str:
 
 # ---- command --------------------------------------------------------------------------------------
 def cmd_milebench(args) -> int:
-    import jax.numpy as jnp
-
     import lookm_jax
 
     if args.limit is not None and args.limit < 1:
@@ -345,8 +344,7 @@ def cmd_milebench(args) -> int:
     names = args.datasets or find_datasets(args.root, args.adv)
     samples = [s for name in names for s in load_dataset(args.root, name, args.adv, args.limit)]
     method = method_from_args(args)
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
-    model = lookm_jax.load(args.model, dtype) if args.model else lookm_jax.load_default(dtype)
+    model = lookm_jax.load(args.model, args.dtype) if args.model else lookm_jax.load_default(args.dtype)
     if not model.is_multimodal:
         raise ValueError("MileBench needs a multimodal (LLaVA) model; this one is text-only")
     if model.processor.tiling:
@@ -383,7 +381,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--datasets", nargs="+", help="dataset names (default: every one present under ROOT)")
     p.add_argument("--adv", action="store_true", help="the adversarial variant (<Dataset>-adv.json)")
     p.add_argument("--model", type=path_arg, help="HF llava checkpoint folder or converted folder (default: the embedded demo model)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter and activation dtype")
+    p.add_argument("--dtype", choices=PARAM_DTYPES, default="float32", help="parameter and activation dtype")
     add_method_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=512, help="MileBench's setting: 512")
     p.add_argument("--max-prompt-tokens", type=int,
