@@ -183,8 +183,12 @@ def test_samples_are_deterministic_and_text_only_has_no_images(demo):
     text = needle.make_samples(demo.tokenizer, 1024, 3, seed=0)
     assert all(s.num_images == 0 and "<image>" not in s.prompt for s in text)
     assert all(1024 - 48 <= demo.encode_chat(s.prompt).shape[1] <= 1024 for s in text)
-    with pytest.raises(ValueError, match="leaves .* text tokens"):
+    with pytest.raises(ValueError, match="length 300 leaves -24 text tokens beside 4 image.* the next length that fits is 366"):
         needle.make_samples(demo.tokenizer, 300, 1, seed=0, image_seq_length=demo.config.image_seq_length)
+    assert len(needle.make_samples(demo.tokenizer, 366, 20, seed=0, image_seq_length=demo.config.image_seq_length)) == 20
+    with pytest.raises(ValueError, match="use a smaller image_fraction"):
+        needle.make_samples(demo.tokenizer, 300, 1, seed=0, image_seq_length=demo.config.image_seq_length,
+                            image_fraction=0.99)
     with pytest.raises(ValueError, match="depths"):
         needle.make_samples(demo.tokenizer, 1024, 1, seed=0, depths=(1.5,))
 

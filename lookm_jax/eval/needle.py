@@ -75,18 +75,37 @@ def _n_tokens(tokenizer, text: str) -> int:
     return len(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
+def _layout(length: int, fixed_tokens: int, image_seq_length: int, image_fraction: float) -> tuple[int, int, bool]:
+    """(images, haystack token budget, whether the budget gives every passage 8 tokens) of a
+    `length`-token prompt whose template, question and needle take `fixed_tokens`."""
+    num_images = max(1, round(image_fraction * length / image_seq_length)) if image_seq_length else 0
+    image_cost = image_seq_length + 2  # the placeholders and the newlines around the marker
+    text_budget = length - fixed_tokens - num_images * image_cost
+    return num_images, text_budget, text_budget >= 8 * (num_images + 1)
+
+
+def _next_length(tokenizer, start: int, image_seq_length: int, image_fraction: float,
+                 longest: int = 1 << 20) -> int | None:
+    """The shortest prompt length >= `start` that every needle word fits (`_layout`; not monotonic:
+    one more image can take the budget a longer prompt adds), or None below `longest`."""
+    fixed = CHAT_TEMPLATE_TOKENS + max(
+        _n_tokens(tokenizer, "\n\n" + QUESTION.format(word=w)) + _n_tokens(tokenizer, " " + NEEDLE.format(word=w, number=9999))
+        for w in NEEDLE_WORDS)
+    return next((n for n in range(start, longest) if _layout(n, fixed, image_seq_length, image_fraction)[2]), None)
+
+
 def _build(tokenizer, rng, length, image_seq_length, image_fraction, depth) -> NeedleSample:
     word = str(rng.choice(NEEDLE_WORDS))
     number = str(rng.integers(1000, 10000))
     question = QUESTION.format(word=word)
     needle = NEEDLE.format(word=word, number=number)
-    num_images = max(1, round(image_fraction * length / image_seq_length)) if image_seq_length else 0
-    image_cost = image_seq_length + 2  # the placeholders and the newlines around the marker
-    text_budget = (length - CHAT_TEMPLATE_TOKENS - num_images * image_cost
-                   - _n_tokens(tokenizer, "\n\n" + question) - _n_tokens(tokenizer, " " + needle))
-    if text_budget < 8 * (num_images + 1):
-        raise ValueError(f"length {length} leaves {text_budget} text tokens for {num_images} image(s) of "
-                         f"{image_seq_length} tokens; use a longer length or a smaller image_fraction")
+    fixed = CHAT_TEMPLATE_TOKENS + _n_tokens(tokenizer, "\n\n" + question) + _n_tokens(tokenizer, " " + needle)
+    num_images, text_budget, fits = _layout(length, fixed, image_seq_length, image_fraction)
+    if not fits:
+        fitting = _next_length(tokenizer, length, image_seq_length, image_fraction)
+        raise ValueError(f"length {length} leaves {text_budget} text tokens beside {num_images} image(s) of "
+                         f"{image_seq_length} tokens (image_fraction {image_fraction}), too few for a needle prompt: "
+                         + (f"the next length that fits is {fitting}" if fitting else "use a smaller image_fraction"))
     sentences, costs = [], []  # haystack sentences and their token counts (with the leading space)
     while True:  # stop before the budget is exceeded, so the prompt stays inside its bucket
         sentence = _sentence(rng)
