@@ -93,9 +93,15 @@ def check_bucket(length: int, buckets: Sequence[int]) -> None:
             f"`model.buckets = (*model.buckets, {bucket})`, or `lookm generate --buckets {bucket}`")
 
 
+MAX_POSITIONS = 2**31 - 1  # the cache's positions are int32, even past the context (ignore_context_limit)
+
+
 def check_context(text_config, length: int, max_new_tokens: int, ignore_context_limit: bool) -> None:
     """prompt + new tokens must fit max_position_embeddings, unless deliberately overridden."""
     limit = text_config.max_position_embeddings
+    if length + max_new_tokens > MAX_POSITIONS:
+        raise InputError(f"prompt of {length} tokens + max_new_tokens={max_new_tokens} = {length + max_new_tokens} "
+                         f"positions exceed the {MAX_POSITIONS} that int32 positions can number")
     if length + max_new_tokens > limit and not ignore_context_limit:
         raise InputError(
             f"prompt of {length} tokens + max_new_tokens={max_new_tokens} = {length + max_new_tokens} positions "

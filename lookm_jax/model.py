@@ -7,6 +7,7 @@ how many were built, which is what the no-recompilation tests check.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -44,6 +45,19 @@ def kept_by_modality(positions: jax.Array, is_image: jax.Array) -> tuple[jax.Arr
     image = jnp.take_along_axis(modality, jnp.maximum(positions, 0), axis=-1) & kept
     return image.sum(-1).mean(axis=(0, 2)), (kept & ~image).sum(-1).mean(axis=(0, 2))
 
+
+@contextlib.contextmanager
+def _out_of_memory_refused(shape: tuple[int, int], max_new_tokens: int, slots: int, full_bytes: int):
+    """A run that does not fit the device's memory raises one InputError line naming its cache, not
+    XLA's RESOURCE_EXHAUSTED traceback."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise InputError(f"out of device memory: {shape[0]} prompt(s) in bucket {shape[1]} with max_new_tokens="
+                         f"{max_new_tokens} need a KV cache of {slots} slots per row ({full_bytes / 2**30:.1f} GiB "
+                         "uncompressed); lower max_new_tokens or the batch") from None
 
 @dataclasses.dataclass(frozen=True)
 class GenerationResult:
@@ -162,17 +176,19 @@ class Model:
             compile_seconds = time.perf_counter() - start
         prefill, decode = self._compiled[signature]
         dynamic = args[1:]
-        start = time.perf_counter()
-        first, cache, is_image = jax.block_until_ready(prefill(*dynamic))
-        prefill_seconds = time.perf_counter() - start
-        cache_bytes = cache.nbytes
-        kept_image, kept_text = kept_by_modality(cache.positions, is_image)  # before decode donates the cache
-        start = time.perf_counter()
-        tokens, lengths, _ = jax.block_until_ready(decode(self.params["text"], first, cache, key))
-        decode_seconds = time.perf_counter() - start
         cfg = self.text_config
         full_bytes = (2 * cfg.num_layers * ids.shape[0] * cfg.num_kv_heads * (ids.shape[1] + max_new_tokens)
                       * cfg.head_dim * jnp.dtype(self.dtype).itemsize)
+        with _out_of_memory_refused(ids.shape, max_new_tokens, method.capacity(ids.shape[1]) + max_new_tokens,
+                                    full_bytes):
+            start = time.perf_counter()
+            first, cache, is_image = jax.block_until_ready(prefill(*dynamic))
+            prefill_seconds = time.perf_counter() - start
+            cache_bytes = cache.nbytes
+            kept_image, kept_text = kept_by_modality(cache.positions, is_image)  # before decode donates the cache
+            start = time.perf_counter()
+            tokens, lengths, _ = jax.block_until_ready(decode(self.params["text"], first, cache, key))
+            decode_seconds = time.perf_counter() - start
         return GenerationResult(
             tokens=np.asarray(tokens), lengths=np.asarray(lengths), prompt_lengths=valid.sum(1),
             image_tokens=(np.asarray(is_image) & valid).sum(1), kept_image_tokens=np.asarray(kept_image),

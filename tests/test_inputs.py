@@ -98,6 +98,12 @@ def test_context_length_is_checked_and_can_be_overridden(tiny, prompt):
     with pytest.raises(InputError, match="exceed"):
         short.logits(np.ones((1, 40), np.int32))
     assert short.run(*prompt, max_new_tokens=2, ignore_context_limit=True).tokens.shape == (1, 2)
+    # Past the context, a cache the machine cannot hold is one line, not XLA's RESOURCE_EXHAUSTED.
+    with pytest.raises(InputError, match=r"out of device memory: 1 prompt\(s\) in bucket 64 with max_new_tokens=1000000000 "
+                                         r"need a KV cache of 1000000064 slots per row \([0-9.]+ GiB uncompressed\)"):
+        short.run(*prompt, max_new_tokens=10**9, ignore_context_limit=True)
+    with pytest.raises(InputError, match="= 10000000033 positions exceed the 2147483647 that int32 positions can number"):
+        short.run(*prompt, max_new_tokens=10**10, ignore_context_limit=True)
 
 
 def test_prompt_beyond_the_largest_bucket_says_how_to_raise_it(tiny, prompt):
