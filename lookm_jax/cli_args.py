@@ -11,7 +11,7 @@ import math
 import os
 import sys
 
-from lookm_jax.errors import MAX_SEED, PARAM_DTYPES, InputError
+from lookm_jax.errors import MAX_SEED, InputError
 from lookm_jax.models.processors import IMAGE_MARKER
 
 # The demo: two bundled scenes (lookm_jax.scenes.DEMO_SCENES), each after its "Picture k:" marker.

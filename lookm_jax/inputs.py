@@ -42,8 +42,8 @@ def check_max_new_tokens(max_new_tokens) -> None:
 def check_dtype(dtype) -> None:
     """A parameter and activation dtype the programs support (`PARAM_DTYPES`, by name or dtype)."""
     try:
-        name = jnp.dtype(dtype).name
-    except TypeError:
+        name = None if dtype is None else jnp.dtype(dtype).name  # jnp.dtype(None) is float64
+    except (TypeError, ValueError):
         name = None
     if name not in PARAM_DTYPES:
         raise InputError(f"dtype must be one of {', '.join(PARAM_DTYPES)}, got {name or repr(dtype)}")
@@ -93,15 +93,12 @@ def check_bucket(length: int, buckets: Sequence[int]) -> None:
             f"`model.buckets = (*model.buckets, {bucket})`, or `lookm generate --buckets {bucket}`")
 
 
-MAX_POSITIONS = 2**31 - 1  # the cache's positions are int32, even past the context (ignore_context_limit)
+MAX_SLOTS = 2**31 - 1  # a cache's slots (bucket + new tokens) are numbered by int32 positions and indices
 
 
 def check_context(text_config, length: int, max_new_tokens: int, ignore_context_limit: bool) -> None:
     """prompt + new tokens must fit max_position_embeddings, unless deliberately overridden."""
     limit = text_config.max_position_embeddings
-    if length + max_new_tokens > MAX_POSITIONS:
-        raise InputError(f"prompt of {length} tokens + max_new_tokens={max_new_tokens} = {length + max_new_tokens} "
-                         f"positions exceed the {MAX_POSITIONS} that int32 positions can number")
     if length + max_new_tokens > limit and not ignore_context_limit:
         raise InputError(
             f"prompt of {length} tokens + max_new_tokens={max_new_tokens} = {length + max_new_tokens} positions "
@@ -162,6 +159,9 @@ def prepare(model, input_ids, pixels, attention_mask, max_new_tokens: int, metho
     for method in methods:
         method.check_prompt_lengths(lengths)
     ids, valid = gen.pack_prompts(ids, mask, model.buckets)
+    if ids.shape[1] + max_new_tokens > MAX_SLOTS:  # reachable past the context only (ignore_context_limit)
+        raise InputError(f"bucket {ids.shape[1]} + max_new_tokens={max_new_tokens} = {ids.shape[1] + max_new_tokens} "
+                         f"cache slots exceed the {MAX_SLOTS} that int32 positions can number")
     return Prompt(ids, valid, pixel_values(model.config, model.dtype, ids, valid, pixels))
 
 

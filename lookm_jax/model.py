@@ -48,8 +48,8 @@ def kept_by_modality(positions: jax.Array, is_image: jax.Array) -> tuple[jax.Arr
 
 @contextlib.contextmanager
 def _out_of_memory_refused(shape: tuple[int, int], max_new_tokens: int, slots: int, full_bytes: int):
-    """A run that does not fit the device's memory raises one InputError line naming its cache, not
-    XLA's RESOURCE_EXHAUSTED traceback."""
+    """A run (compile included) that does not fit the device's memory raises one InputError line
+    naming its cache, not XLA's RESOURCE_EXHAUSTED traceback."""
     try:
         yield
     except jax.errors.JaxRuntimeError as e:
@@ -57,7 +57,8 @@ def _out_of_memory_refused(shape: tuple[int, int], max_new_tokens: int, slots: i
             raise
         raise InputError(f"out of device memory: {shape[0]} prompt(s) in bucket {shape[1]} with max_new_tokens="
                          f"{max_new_tokens} need a KV cache of {slots} slots per row ({full_bytes / 2**30:.1f} GiB "
-                         "uncompressed); lower max_new_tokens or the batch") from None
+                         "uncompressed); lower max_new_tokens, the prompt's bucket or the batch") from None
+
 
 @dataclasses.dataclass(frozen=True)
 class GenerationResult:
@@ -161,26 +162,13 @@ class Model:
         inputs.check_seed(seed)
         key = jax.random.key(seed)
         args = (self.config, self.params, *self._rows(ids, valid), pixels, key)
-        signature = (ids.shape, None if pixels is None else pixels.shape, method, max_new_tokens, sampling)
-        compile_seconds = 0.0
-        if signature not in self._compiled:
-            start = time.perf_counter()
-            with jax.set_mesh(self.mesh):  # None: no mesh
-                prefill = gen.prefill.lower(*args, method=method, max_new_tokens=max_new_tokens,
-                                            sampling=sampling).compile()
-            first, cache, _ = prefill.out_info  # ShapeDtypeStructs with the compiled shardings
-            decode = gen.decode.lower(self.text_config, self.params["text"], first, cache, key,
-                                      max_new_tokens=max_new_tokens, sampling=sampling,
-                                      eos_ids=self.text_config.eos_token_ids).compile()
-            self._compiled[signature] = (prefill, decode)
-            compile_seconds = time.perf_counter() - start
-        prefill, decode = self._compiled[signature]
-        dynamic = args[1:]
         cfg = self.text_config
         full_bytes = (2 * cfg.num_layers * ids.shape[0] * cfg.num_kv_heads * (ids.shape[1] + max_new_tokens)
                       * cfg.head_dim * jnp.dtype(self.dtype).itemsize)
         with _out_of_memory_refused(ids.shape, max_new_tokens, method.capacity(ids.shape[1]) + max_new_tokens,
                                     full_bytes):
+            prefill, decode, compile_seconds = self._programs(args, method, max_new_tokens, sampling)
+            dynamic = args[1:]
             start = time.perf_counter()
             first, cache, is_image = jax.block_until_ready(prefill(*dynamic))
             prefill_seconds = time.perf_counter() - start
@@ -196,6 +184,24 @@ class Model:
             prompt_slots=method.capacity(ids.shape[1]), new_slots=max_new_tokens, cache_bytes=cache_bytes,
             full_cache_bytes=full_bytes, compile_seconds=compile_seconds, prefill_seconds=prefill_seconds,
             decode_seconds=decode_seconds)
+
+    def _programs(self, args: tuple, method, max_new_tokens: int, sampling: gen.Sampling):
+        """The compiled prefill and decode of `run`'s arguments (compiled on their first call) and the
+        seconds compiling took now."""
+        _, _, ids, _, pixels, key = args  # (config, params, ids, valid, pixels, key)
+        signature = (ids.shape, None if pixels is None else pixels.shape, method, max_new_tokens, sampling)
+        if signature in self._compiled:
+            return *self._compiled[signature], 0.0
+        start = time.perf_counter()
+        with jax.set_mesh(self.mesh):  # None: no mesh
+            prefill = gen.prefill.lower(*args, method=method, max_new_tokens=max_new_tokens,
+                                        sampling=sampling).compile()
+        first, cache, _ = prefill.out_info  # ShapeDtypeStructs with the compiled shardings
+        decode = gen.decode.lower(self.text_config, self.params["text"], first, cache, key,
+                                  max_new_tokens=max_new_tokens, sampling=sampling,
+                                  eos_ids=self.text_config.eos_token_ids).compile()
+        self._compiled[signature] = (prefill, decode)
+        return prefill, decode, time.perf_counter() - start
 
     # ---- inputs -------------------------------------------------------------------------------
     @property

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -195,9 +196,9 @@ def test_single_picture_spec_fits_its_conversations(demo, turns):
     encoder = data.Encoder.of(demo)
     spec = data.single_picture_spec(batch_size=4, turns=turns)
     lengths, answers = [], []
-    for i in range(200):
+    for split, i in [(split, i) for split in ("train", "heldout", "combination") for i in range(100)]:
         ids, role = encoder.conversation(data.single_picture_conversation(
-            scenes.single_picture_sample("train", 0, i, turns)))
+            scenes.single_picture_sample(split, 0, i, turns)))
         lengths.append(len(ids))
         answers.append(sum(r > 0 for r in role))
     assert max(lengths) <= spec.length and max(answers) <= spec.max_targets
@@ -208,7 +209,7 @@ def test_single_picture_spec_fits_its_conversations(demo, turns):
 
 def test_single_picture_spec_refuses_turns_out_of_range():
     for turns in (0, data.MAX_SINGLE_TURNS + 1):
-        with pytest.raises(ValueError, match=r"turns must be in \[1, 3\]"):
+        with pytest.raises(ValueError, match=re.escape(f"turns must be in [1, {data.MAX_SINGLE_TURNS}], got {turns}")):
             data.single_picture_spec(8, turns)
 
 
@@ -310,6 +311,7 @@ def test_train_command_flags_reach_the_config():
     assert plain.anchor_weight == 0 and config("--tower-lr-scale", "0.2", "--anchor-weight", "0.5").anchor_weight == 0.5
     assert config("--multi-every", "0").multi is None
     assert plain.single == vision.TrainConfig().single  # the library's default is the command's
+    assert command.MAX_TURNS == data.MAX_SINGLE_TURNS
     one = config("--turns", "1", "--batch-size", "16").single
     assert (one.turns, one.batch_size, one.pictures) == (1, 16, 1) and one.length < plain.single.length
     assert vision.TrainConfig().multi_every == plain.multi_every  # the library's default is the command's

@@ -19,12 +19,14 @@ from lookm_jax.errors import InputError
 from lookm_jax.eval import harness
 from lookm_jax.eval.harness import (DEFAULT_BUDGETS, SweepConfig, format_table, read_rows, summarize,
                                     sweep_configs, write_csv)
+from lookm_jax.generate import LONG_BUCKETS
 from lookm_jax.models.processors import IMAGE_MARKER
 
 # SmolLM2's chat template with its default system prompt adds 30 tokens around the user turn.
 CHAT_TEMPLATE_TOKENS = 30
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_IMAGE_FRACTION = 0.75  # share of the prompt's tokens in images
+LONGEST_LENGTH = max(LONG_BUCKETS)  # the largest prompt bucket there is
 QUESTION = "What is the special magic number for {word}? Answer with the number only."
 NEEDLE = "The special magic number for {word} is {number}."
 
@@ -84,14 +86,18 @@ def _layout(length: int, fixed_tokens: int, image_seq_length: int, image_fractio
     return num_images, text_budget, text_budget >= 8 * (num_images + 1)
 
 
-def _next_length(tokenizer, start: int, image_seq_length: int, image_fraction: float,
-                 longest: int = 1 << 20) -> int | None:
-    """The shortest prompt length >= `start` that every needle word fits (`_layout`; not monotonic:
-    one more image can take the budget a longer prompt adds), or None below `longest`."""
-    fixed = CHAT_TEMPLATE_TOKENS + max(
-        _n_tokens(tokenizer, "\n\n" + QUESTION.format(word=w)) + _n_tokens(tokenizer, " " + NEEDLE.format(word=w, number=9999))
-        for w in NEEDLE_WORDS)
-    return next((n for n in range(start, longest) if _layout(n, fixed, image_seq_length, image_fraction)[2]), None)
+def _fixed_tokens(tokenizer, word: str, number: str) -> int:
+    """Tokens of a needle prompt besides its haystack and pictures: template, question, needle."""
+    return (CHAT_TEMPLATE_TOKENS + _n_tokens(tokenizer, "\n\n" + QUESTION.format(word=word))
+            + _n_tokens(tokenizer, " " + NEEDLE.format(word=word, number=number)))
+
+
+def _next_length(tokenizer, start: int, image_seq_length: int, image_fraction: float) -> int | None:
+    """The shortest prompt length in [start, LONGEST_LENGTH] that every needle word fits (`_layout`;
+    not monotonic: one more picture can take what a longer prompt adds), or None."""
+    fixed = max(_fixed_tokens(tokenizer, w, "9999") for w in NEEDLE_WORDS)  # digits are a token each
+    return next((n for n in range(start, LONGEST_LENGTH + 1)
+                 if _layout(n, fixed, image_seq_length, image_fraction)[2]), None)
 
 
 def _build(tokenizer, rng, length, image_seq_length, image_fraction, depth) -> NeedleSample:
@@ -99,13 +105,14 @@ def _build(tokenizer, rng, length, image_seq_length, image_fraction, depth) -> N
     number = str(rng.integers(1000, 10000))
     question = QUESTION.format(word=word)
     needle = NEEDLE.format(word=word, number=number)
-    fixed = CHAT_TEMPLATE_TOKENS + _n_tokens(tokenizer, "\n\n" + question) + _n_tokens(tokenizer, " " + needle)
-    num_images, text_budget, fits = _layout(length, fixed, image_seq_length, image_fraction)
+    num_images, text_budget, fits = _layout(length, _fixed_tokens(tokenizer, word, number), image_seq_length,
+                                            image_fraction)
     if not fits:
         fitting = _next_length(tokenizer, length, image_seq_length, image_fraction)
         raise ValueError(f"length {length} leaves {text_budget} text tokens beside {num_images} image(s) of "
                          f"{image_seq_length} tokens (image_fraction {image_fraction}), too few for a needle prompt: "
-                         + (f"the next length that fits is {fitting}" if fitting else "use a smaller image_fraction"))
+                         + (f"the next length that fits is {fitting}" if fitting else
+                            f"no length up to {LONGEST_LENGTH} fits; use a smaller image_fraction"))
     sentences, costs = [], []  # haystack sentences and their token counts (with the leading space)
     while True:  # stop before the budget is exceeded, so the prompt stays inside its bucket
         sentence = _sentence(rng)

@@ -7,9 +7,10 @@ import os
 
 from lookm_jax.cli_args import finite_float, path_arg, seed_arg
 
-# Stage 0's defaults (tower.PretrainConfig's; a test checks they agree): literals, so that parsing the
+# Stage 0's defaults (tower.PretrainConfig's; a test checks they agree) and the most turns: literals, so that parsing the
 # command line does not import jax.
 PRETRAIN_STEPS, PRETRAIN_SCENES = 3000, 16384
+MAX_TURNS = 3  # train.data.MAX_SINGLE_TURNS (a test checks they agree)
 
 
 def add_parser(subparsers) -> None:
@@ -24,7 +25,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--warmup-steps", type=int, default=30, help="stage-1 linear warmup steps")
     p.add_argument("--batch-size", type=int, default=8, help="single-picture conversations per step")
     p.add_argument("--turns", type=int, default=3,
-                   help="questions per single-picture conversation, in [1, 3] (the first asked with the picture, "
+                   help=f"questions per single-picture conversation, in [1, {MAX_TURNS}] (the first asked with the picture, "
                         "as the held-out benchmark asks it; default 3)")
     p.add_argument("--multi-every", type=int, default=4,
                    help="every N-th step trains on conversations over 2-8 pictures instead (0 = never)")
@@ -60,8 +61,6 @@ def train_config(args):
     if args.multi_every < 0 or args.pretrain_steps < 0 or args.batch_size < 1:
         raise ValueError(f"need --multi-every >= 0, --pretrain-steps >= 0 and --batch-size >= 1, got "
                          f"{args.multi_every}, {args.pretrain_steps}, {args.batch_size}")
-    if not 1 <= args.turns <= data.MAX_SINGLE_TURNS:
-        raise ValueError(f"--turns must be in [1, {data.MAX_SINGLE_TURNS}], got {args.turns}")
     if args.pretrain_scenes < tower.PretrainConfig.batch_size:
         raise ValueError(f"--pretrain-scenes must be >= {tower.PretrainConfig.batch_size} (one stage-0 batch), "
                          f"got {args.pretrain_scenes}")
@@ -74,10 +73,14 @@ def train_config(args):
     if args.anchor_weight < 0 or (args.anchor_weight > 0 and args.tower_lr_scale == 0):
         raise ValueError(f"--anchor-weight must be >= 0, and > 0 only with --tower-lr-scale > 0, got "
                          f"{args.anchor_weight} with --tower-lr-scale {args.tower_lr_scale}")
+    try:
+        single = data.single_picture_spec(args.batch_size, args.turns)
+    except ValueError as e:  # "turns must be in ..."
+        raise ValueError(f"--{e}") from None
     defaults = vision.TrainConfig()
     return vision.TrainConfig(
         steps=args.steps, learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
-        single=data.single_picture_spec(args.batch_size, args.turns),
+        single=single,
         multi=dataclasses.replace(defaults.multi, text_facts=args.text_facts) if args.multi_every else None,
         multi_every=max(args.multi_every, 1),
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,

@@ -236,7 +236,7 @@ class HeldOut:
     held-out colour-shape combination)."""
 
     def __init__(self, encoder: Encoder, config: TrainConfig, image_size: int, batch_size: int = 16):
-        spec = dataclasses.replace(config.single, batch_size=batch_size, turns=1)
+        spec = single_picture_spec(batch_size, turns=1)
         count = -(-config.eval_samples // batch_size)
         self.batches = {split: [_arrays(spec.make(encoder, split, config.seed, i * batch_size, image_size))
                                 for i in range(count)] for split in ("heldout", "combination")}
