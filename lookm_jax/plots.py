@@ -148,10 +148,12 @@ def cmd_sweep(args) -> int:
 
 
 def read_training_log(path: str) -> list[dict]:
-    """The stage-1 records of a `lookm train vision` log.jsonl (stage-0 records, keyed
-    "pretrain_step", and a cut last line of a run still writing are skipped). Raises ValueError
-    naming the line that is not a record, FileNotFoundError when there is no file."""
+    """The stage-1 records of a `lookm train vision` log.jsonl (the records before them, keyed by one
+    of `vision.PRELUDE_KEYS`, and a cut last line of a run still writing are skipped). Raises
+    ValueError naming the line that is not a record, FileNotFoundError when there is no file."""
     import json
+
+    from lookm_jax.train.vision import PRELUDE_KEYS
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no training log at {path}")
@@ -172,7 +174,7 @@ def read_training_log(path: str) -> list[dict]:
             raise ValueError(f"{path}, line {line}: not JSON ({err})") from None
         if not isinstance(record, dict):
             raise ValueError(f"{path}, line {line}: a record is a JSON object, got {text.strip()[:40]!r}")
-        if "pretrain_step" in record:
+        if any(key in record for key in PRELUDE_KEYS):
             continue
         fields = ("step", "loss", "accuracy", "pictures")
         if not all(isinstance(record.get(k), (int, float)) and not isinstance(record.get(k), bool) for k in fields):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from lookm_jax import scenes
+from lookm_jax import plots, scenes
 from lookm_jax.train import data, tower, vision
 from tests.conftest import IMAGE_TOKEN, tiny_llava
 
@@ -119,6 +119,7 @@ def test_anchored_run_fits_its_head_lowers_the_patch_loss_and_resumes(tiny, tmp_
     fit, steps = records[0]["anchor_head_fit"], records[1:]
     assert set(fit) == set(tower.TARGETS) and fit["colour"] > 0.5, fit
     assert [r["step"] for r in steps] == list(range(1, 13))
+    assert plots.read_training_log(str(tmp_path / "whole" / vision.LOG)) == steps  # `lookm plot training` reads it
     assert np.mean([r["anchor_loss"] for r in steps[-3:]]) < np.mean([r["anchor_loss"] for r in steps[:3]])
     assert set(whole) == {"vision", "projector", "head"}
     run(tmp_path / "killed", stop_after=5)

@@ -34,6 +34,9 @@ from lookm_jax.train import tower
 
 CHECKPOINT = "checkpoint.msgpack"
 LOG = "log.jsonl"
+# Records written to LOG before stage 1's first step, each keyed by one of these: stage 0's steps
+# (`tower.pretrain`) and the anchor head's fit on a starting tower (`tower.fit_head`).
+PRELUDE_KEYS = ("pretrain_step", "anchor_head_fit")
 TRAINABLE = ("vision", "projector")  # what a run exports; the anchor's head trains beside them
 
 
