@@ -165,8 +165,8 @@ class Model:
         cfg = self.text_config
         full_bytes = (2 * cfg.num_layers * ids.shape[0] * cfg.num_kv_heads * (ids.shape[1] + max_new_tokens)
                       * cfg.head_dim * jnp.dtype(self.dtype).itemsize)
-        with _out_of_memory_refused(ids.shape, max_new_tokens, method.capacity(ids.shape[1]) + max_new_tokens,
-                                    full_bytes):
+        prompt_slots = method.capacity(ids.shape[1])
+        with _out_of_memory_refused(ids.shape, max_new_tokens, prompt_slots + max_new_tokens, full_bytes):
             prefill, decode, compile_seconds = self._programs(args, method, max_new_tokens, sampling)
             dynamic = args[1:]
             start = time.perf_counter()
@@ -181,7 +181,7 @@ class Model:
             tokens=np.asarray(tokens), lengths=np.asarray(lengths), prompt_lengths=valid.sum(1),
             image_tokens=(np.asarray(is_image) & valid).sum(1), kept_image_tokens=np.asarray(kept_image),
             kept_text_tokens=np.asarray(kept_text), bucket=ids.shape[1],
-            prompt_slots=method.capacity(ids.shape[1]), new_slots=max_new_tokens, cache_bytes=cache_bytes,
+            prompt_slots=prompt_slots, new_slots=max_new_tokens, cache_bytes=cache_bytes,
             full_cache_bytes=full_bytes, compile_seconds=compile_seconds, prefill_seconds=prefill_seconds,
             decode_seconds=decode_seconds)
 
