@@ -157,8 +157,8 @@ def fit_head(cfg, tower: dict, data: dict[str, np.ndarray], seed: int, steps: in
     tx = optax.adamw(1e-2, weight_decay=0.0)
     head = init_head(cfg, seed)
 
-    @jax.jit
-    def run(head):
+    @jax.jit  # the data are arguments: closed over, XLA would constant-fold through them at compile time
+    def run(head, features, labels):
         def step(carry, _):
             head, opt_state = carry
             grads = jax.grad(lambda h: head_loss(features, h, labels)[0])(head)
@@ -168,7 +168,7 @@ def fit_head(cfg, tower: dict, data: dict[str, np.ndarray], seed: int, steps: in
         (head, _), _ = jax.lax.scan(step, (head, tx.init(head)), None, length=steps)
         return head, head_loss(features, head, labels)[1]
 
-    head, accuracy = run(head)
+    head, accuracy = run(head, features, labels)
     return jax.device_get(head), {k: float(v) for k, v in accuracy.items()}
 
 
