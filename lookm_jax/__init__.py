@@ -6,6 +6,7 @@ from lookm_jax.generate import DEFAULT_BUCKETS, LONG_BUCKETS
 from lookm_jax.loading import load, load_default
 from lookm_jax.model import GenerationResult, Model
 from lookm_jax.sharding import make_mesh, shard_params
+from lookm_jax import sweep  # sweep.generate_methods: many methods from one prefill
 
 
 # compression core

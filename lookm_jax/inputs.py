@@ -55,17 +55,43 @@ def check_seed(seed) -> None:
         raise InputError(f"seed must be an int in [0, {MAX_SEED}], got {seed!r}")
 
 
+def check_flag(value, name: str) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise InputError(f"{name} must be True or False, got {value!r}")
+
+
+def check_buckets(buckets) -> None:
+    """`Model.buckets`: the prompt lengths programs are compiled for."""
+    if not (isinstance(buckets, (tuple, list)) and buckets and all(is_int_at_least(b, 1) for b in buckets)):
+        raise InputError(f"model.buckets must be a non-empty tuple of prompt lengths (ints >= 1), got {buckets!r}")
+
+
+def _array(values, name: str) -> np.ndarray:
+    try:
+        return np.asarray(values)
+    except ValueError:  # ragged nested lists
+        raise InputError(f"{name} must be a rectangular [batch, length] array; its rows differ in length") from None
+
+
 def token_ids(config, input_ids, attention_mask=None) -> tuple[np.ndarray, np.ndarray]:
-    """-> (ids [B, L] int32, mask [B, L] bool). Refuses non-integer ids and, at real (unmasked)
-    positions, ids outside [0, vocab_size) other than the image placeholder."""
-    ids = np.asarray(input_ids)
+    """-> (ids [B, L] int32, mask [B, L] bool). Refuses non-integer ids, a mask that is not 0/1, rows
+    without a real token and, at real (unmasked) positions, ids outside [0, vocab_size) other than
+    the image placeholder."""
+    ids = _array(input_ids, "input_ids")
     if ids.dtype.kind not in "iu":
         raise InputError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
     if ids.ndim != 2 or 0 in ids.shape:
         raise InputError(f"input_ids must be [batch, length] with both >= 1, got shape {ids.shape}")
-    mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
+    mask = np.ones(ids.shape, bool) if attention_mask is None else _array(attention_mask, "attention_mask")
     if mask.shape != ids.shape:
         raise InputError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
+    if mask.dtype != bool:
+        if mask.dtype.kind not in "iuf" or not np.isin(mask, (0, 1)).all():
+            raise InputError(f"attention_mask must hold only 0 and 1 (1 = real token), got dtype {mask.dtype}")
+        mask = mask.astype(bool)
+    empty = np.flatnonzero(mask.sum(1) == 0)
+    if empty.size:
+        raise InputError(f"every row needs at least one real token; rows {empty.tolist()} have none")
     vocab = llava.text_config(config).vocab_size
     outside = mask & ((ids < 0) | (ids >= vocab))
     placeholder = config.image_token_id if llava.is_multimodal(config) else None
@@ -109,6 +135,8 @@ def check_context(text_config, length: int, max_new_tokens: int, ignore_context_
 def forward_ids(model, input_ids, attention_mask=None, ignore_context_limit: bool = False):
     """ids of a forward pass without generation (logits, attention statistics): `token_ids`, and a
     length that fits the buckets and the context. -> (ids [B, L] int32, mask [B, L] bool)."""
+    check_flag(ignore_context_limit, "ignore_context_limit")
+    check_buckets(model.buckets)
     ids, mask = token_ids(model.config, input_ids, attention_mask)
     check_bucket(ids.shape[1], model.buckets)
     check_context(model.text_config, ids.shape[1], 0, ignore_context_limit)
@@ -149,11 +177,10 @@ def prepare(model, input_ids, pixels, attention_mask, max_new_tokens: int, metho
     for method in methods:
         if not isinstance(method, Method):
             raise InputError(f"method must be a lookm_jax method (lookm_jax.get_method), got {method!r}")
+    check_flag(ignore_context_limit, "ignore_context_limit")
+    check_buckets(model.buckets)
     ids, mask = token_ids(model.config, input_ids, attention_mask)
     lengths = mask.sum(1)
-    if (lengths == 0).any():
-        raise InputError(f"every row needs at least one real token; rows {np.flatnonzero(lengths == 0).tolist()} "
-                         "have none")
     check_bucket(int(lengths.max()), model.buckets)
     check_context(model.text_config, int(lengths.max()), max_new_tokens, ignore_context_limit)
     for method in methods:

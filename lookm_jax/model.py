@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import time
 from typing import Any, Sequence
 
@@ -123,6 +124,8 @@ class Model:
         """The same model laid out on a (data, model) mesh (`lookm_jax.sharding.make_mesh`): params
         tensor-parallel over "model", and every call shards its rows over "data" (the batch must
         divide evenly) and the KV cache's heads over "model"."""
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise InputError(f"shard takes a jax.sharding.Mesh (lookm_jax.make_mesh), got {type(mesh).__name__}")
         sharding.check_mesh(mesh, self.text_config.num_kv_heads)
         return dataclasses.replace(self, params=sharding.shard_params(self.params, mesh), mesh=mesh, _compiled={})
 
@@ -216,6 +219,8 @@ class Model:
         configured) or, for tiling architectures (InternVL), dynamic tiles; pass the tile counts to
         `encode_chat(..., image_tiles=...)`. A file that is not a readable image raises InputError.
         """
+        if isinstance(images, (str, bytes, os.PathLike)) or not isinstance(images, Sequence) or not images:
+            raise InputError(f"images must be a non-empty list of image files or PIL images, got {images!r:.80}")
         return self.processor.preprocess([inputs.open_image(i) for i in images])
 
     def encode_chat(self, prompt: str, num_images: int = 0, image_tiles: Sequence[int] | None = None) -> np.ndarray:
@@ -232,6 +237,12 @@ class Model:
         if count is None or count < 0:
             raise InputError(f"num_images must be an int >= 0, got {num_images!r}")
         num_images = count
+        if not isinstance(prompt, str):
+            raise InputError(f"prompt must be a str, got {type(prompt).__name__}")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise InputError(f"prompt is not valid Unicode text ({err.reason} at character {err.start})") from None
         if self.tokenizer is None:
             raise InputError("this model has no tokenizer; pass input_ids")
         if num_images and not self.is_multimodal:
@@ -243,9 +254,13 @@ class Model:
 
     def decode_text(self, tokens: Sequence[int]) -> str:
         """Token ids -> text, up to the first end-of-sequence token."""
+        ids = np.asarray(tokens)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise InputError(f"decode_text takes one row of integer token ids [L] (e.g. result.tokens[0]), "
+                             f"got dtype {ids.dtype} and shape {ids.shape}")
         eos = set(self.text_config.eos_token_ids)
         kept = []
-        for t in tokens:
+        for t in ids:
             if int(t) in eos:
                 break
             kept.append(int(t))

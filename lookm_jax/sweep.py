@@ -33,15 +33,13 @@ def generate_methods(model, input_ids, pixel_values=None, attention_mask=None, m
     compressed cache before generating, e.g. the rest of the turn with the question: the answer
     then depends on the compressed cache alone, not on the prefill's last logits.
     """
-    if not methods:
-        raise InputError("generate_methods needs at least one method")
+    if not isinstance(methods, (list, tuple)) or not methods:
+        raise InputError(f"methods must be a non-empty list of methods (lookm_jax.get_method), got {methods!r:.80}")
     if model.mesh is not None:
         raise InputError("generate_methods runs on one device; call it on the unsharded model")
+    if after is not None:
+        after = _after_tokens(model, after, np.shape(input_ids)[0])
     fed = 0 if after is None else after.shape[1]
-    if after is not None and not (after.shape[0] == np.shape(input_ids)[0] and np.all(after[:, 0] >= 0)
-                                  and np.all(np.diff((after >= 0).astype(int), axis=1) <= 0)):
-        raise InputError(f"after must be [B, A] with at least one token per row, right-padded with -1; "
-                         f"got shape {after.shape}")
     prompt = inputs.prepare(model, input_ids, pixel_values, attention_mask, fed + max_new_tokens, methods,
                             ignore_context_limit)
     batch, bucket = prompt.ids.shape
@@ -72,6 +70,20 @@ def generate_methods(model, input_ids, pixel_values=None, attention_mask=None, m
             for i, rows in zip(chunk, np.split(np.asarray(tokens), len(chunk))):
                 out[i] = rows if after is None else _answers(rows, after, max_new_tokens)
     return out
+
+
+def _after_tokens(model, after, batch: int) -> np.ndarray:
+    """`after` checked: [batch, A] token ids, each row one or more real ids right-padded with -1."""
+    after = np.asarray(after)
+    shape_ok = after.ndim == 2 and after.shape[0] == batch and after.shape[1] >= 1 and after.dtype.kind in "iu"
+    real = after >= 0 if shape_ok else None
+    if not (shape_ok and real[:, 0].all() and (np.diff(real.astype(int), axis=1) <= 0).all()):
+        raise InputError(f"after must be integer ids [{batch}, A] with at least one token per row, right-padded "
+                         f"with -1; got dtype {after.dtype} and shape {after.shape}")
+    vocab = model.text_config.vocab_size
+    if (after >= vocab).any():
+        raise InputError(f"after holds ids outside the vocabulary [0, {vocab}): first {int(after[after >= vocab][0])}")
+    return after.astype(np.int32)
 
 
 def _answers(tokens: np.ndarray, after: np.ndarray, n: int) -> np.ndarray:

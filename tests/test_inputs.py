@@ -203,3 +203,36 @@ def test_other_requests_are_refused_with_input_error(tiny, prompt):
     with pytest.raises(InputError, match="image_tiles is only for tiling"):
         tiny.processor.encode(None, "x", [1])
     assert isinstance(tiny.config, LlavaConfig) and not tiny.processor.tiling
+
+
+def test_api_arguments_of_the_wrong_kind_are_refused(tiny, prompt):
+    """Each public entry point names a wrong kind of argument instead of failing deeper down."""
+    ids, pixels = prompt
+    for mask, message in ((np.full(ids.shape, 2), "attention_mask must hold only 0 and 1"),
+                          (np.full(ids.shape, np.nan), "attention_mask must hold only 0 and 1"),
+                          (np.zeros(ids.shape, np.int32), r"rows \[0\] have none")):
+        with pytest.raises(InputError, match=message):
+            tiny.run(ids, pixels, mask, max_new_tokens=2)
+        with pytest.raises(InputError, match=message):
+            tiny.logits(ids, pixels, mask)
+    assert tiny.run(ids, pixels, np.ones(ids.shape, np.float32), max_new_tokens=2).prompt_lengths[0] == ids.shape[1]
+    with pytest.raises(InputError, match="input_ids must be a rectangular .* rows differ in length"):
+        tiny.logits([[1, 2, 3], [1, 2]])
+    with pytest.raises(InputError, match="ignore_context_limit must be True or False, got 'no'"):
+        tiny.run(ids, pixels, max_new_tokens=2, ignore_context_limit="no")
+    for buckets in ((), (50.5, 64), [0]):
+        with pytest.raises(InputError, match=r"model.buckets must be a non-empty tuple of prompt lengths"):
+            dataclasses.replace(tiny, buckets=buckets).run(ids, pixels, max_new_tokens=2)
+    for images in ("a.png", [], None):
+        with pytest.raises(InputError, match="images must be a non-empty list of image files or PIL images"):
+            tiny.preprocess_images(images)
+    with pytest.raises(InputError, match="prompt must be a str, got NoneType"):
+        tiny.encode_chat(None)
+    with pytest.raises(InputError, match="prompt is not valid Unicode text"):
+        tiny.encode_chat("\udcff hi")
+    with pytest.raises(InputError, match=r"decode_text takes one row of integer token ids \[L\] .* shape \(1, 2\)"):
+        tiny.decode_text(np.array([[5, 6]]))
+    with pytest.raises(InputError, match="decode_text takes one row of integer token ids .* dtype float64"):
+        tiny.decode_text([1.7])
+    with pytest.raises(InputError, match="shard takes a jax.sharding.Mesh .* got str"):
+        tiny.shard("mesh")

@@ -103,6 +103,14 @@ def test_tokens_fed_after_compression_continue_the_prompt(tiny, ragged_batch):
     with pytest.raises(InputError, match="right-padded with -1"):
         sweep.generate_methods(tiny, ids, pixels, mask, NEW, after=np.array([[3, -1, 4], [3, 4, 5]], np.int32),
                                methods=[get_method("full")])
+    for bad in (np.array([[3], [4]], np.float32), np.array([3, 4], np.int32), [[3, 4]]):  # float, 1-D, one row
+        with pytest.raises(InputError, match=r"after must be integer ids \[2, A\]"):
+            sweep.generate_methods(tiny, ids, pixels, mask, NEW, after=bad, methods=[get_method("full")])
+    with pytest.raises(InputError, match=r"after holds ids outside the vocabulary \[0, 251\): first 10000000"):
+        sweep.generate_methods(tiny, ids, pixels, mask, NEW, after=np.array([[10**7], [5]]),
+                               methods=[get_method("full")])
+    with pytest.raises(InputError, match="methods must be a non-empty list of methods"):
+        sweep.generate_methods(tiny, ids, pixels, mask, NEW, methods=get_method("full"))
     with pytest.raises(ValueError, match="must be fewer than max_new_tokens"):
         gen.decode(tiny.text_config, tiny.params["text"], jnp.zeros(2, jnp.int32), None, jax.random.key(0),
                    max_new_tokens=3, sampling=gen.Sampling(), eos_ids=(), forced=jnp.zeros((2, 3), jnp.int32))
