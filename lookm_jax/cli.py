@@ -12,8 +12,8 @@ import os
 import sys
 
 from lookm_jax.cli_args import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, HelpFormatter, add_method_arguments,
-                                add_prompt_arguments, default_images, finite_float, leading_images, method_from_args,
-                                path_arg, read_prompt, seed_arg)
+                                add_prompt_arguments, default_images, finite_float, int_at_least, leading_images,
+                                method_from_args, path_arg, read_prompt, seed_arg)
 from lookm_jax.errors import PARAM_DTYPES, InputError
 
 # Command groups: `lookm eval NAME ...`, `lookm plot NAME ...`. Each module listed defines
@@ -47,8 +47,6 @@ def _add_buckets(model, extra: list[int] | None) -> None:
     """Add --buckets' prompt lengths to the model's bucket table."""
     if not extra:
         return
-    if any(b < 1 for b in extra):
-        raise InputError(f"--buckets must be positive token counts, got {extra}")
     model.buckets = tuple(sorted(set(model.buckets) | set(extra)))
 
 
@@ -133,10 +131,10 @@ def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text (no arguments: the embedded offline demo)")
     add_prompt_arguments(g)
     g.add_argument("--text-only", action="store_true", help="no images, even on the demo model")
-    g.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate at most")
+    g.add_argument("--max-new-tokens", type=int_at_least(1), default=48, help="tokens to generate at most")
     g.add_argument("--ignore-context-limit", action="store_true",
                    help="run even when prompt + new tokens exceed the model's max_position_embeddings")
-    g.add_argument("--buckets", type=int, nargs="+",
+    g.add_argument("--buckets", type=int_at_least(1), nargs="+",
                    help="extra prompt bucket lengths, added to the table (default: none beyond 64 ... 16384)")
     g.add_argument("--seed", type=seed_arg, default=0, help="sampling seed")
     g.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy")
@@ -161,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         commands = sub.add_parser(group, help=help_text).add_subparsers(dest=f"{group}_command", required=True)
         for module in COMMAND_MODULES[group]:
             importlib.import_module(module).add_parser(commands)
+        commands.metavar = "{" + ",".join(commands.choices) + "}"  # argparse names a missing one by it
     return parser
 
 

@@ -53,6 +53,18 @@ def seed_arg(text: str) -> int:
     return _typed(text, int, lambda v: 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]")
 
 
+def int_at_least(minimum: int):
+    """argparse type of a count option: an int >= minimum (argparse's error names the flag)."""
+    def parse(text: str) -> int:
+        return _typed(text, int, lambda v: v >= minimum, f"an integer >= {minimum}")
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """argparse type of a rate: a finite float > 0."""
+    return _typed(text, float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+
+
 def finite_float(text: str) -> float:
     """argparse type of a float option whose range check would let nan or inf through."""
     return _typed(text, float, math.isfinite, "a finite number")

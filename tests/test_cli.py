@@ -92,7 +92,9 @@ def test_prompt_file_problems(cli_demo, capsys):
     (cli_demo / "empty.txt").write_text("  \n")
     _fails(capsys, ["generate", "--prompt-file", "empty.txt"], "the prompt is empty")
     _fails(capsys, ["generate", "--prompt", "a", "--prompt-file", "empty.txt"], "not allowed with argument")
-    _fails(capsys, ["generate", "--buckets", "0"], "--buckets must be positive")
+    _fails(capsys, ["generate", "--buckets", "0"], "argument --buckets: must be an integer >= 1, got 0")
+    _fails(capsys, ["generate", "--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1, got 0")
+    _fails(capsys, ["eval"], "lookm eval: the following arguments are required: {milebench,needle,scenes}")
     _fails(capsys, ["generate", "--text-only", "--prompt", " "], "--prompt: the prompt is empty")
     _fails(capsys, ["generate", "--prompt", "\udcff hi"], "--prompt: the prompt is not valid UTF-8 text")  # argv's b"\xff"
     _fails(capsys, ["generate", "--text-only", "--image", "x.png"], "--text-only asks for no images")

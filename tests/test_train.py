@@ -274,14 +274,17 @@ def test_train_command_refuses_bad_arguments_before_writing(tmp_path, capsys):
 
     out = tmp_path / "run"
     for flag, value, message in (("--tower-lr-scale", "2", "--tower-lr-scale must be in [0, 1], got 2.0"),
-                                 ("--pretrain-steps", "-1", "--pretrain-steps >= 0"),
+                                 ("--pretrain-steps", "-1", "argument --pretrain-steps: must be an integer >= 0, got -1"),
+                                 ("--eval-every", "0", "argument --eval-every: must be an integer >= 1, got 0"),
+                                 ("--learning-rate", "0", "argument --learning-rate: must be a finite number > 0, got 0"),
+                                 ("--warmup-steps", "500", "--warmup-steps must be < --steps, got 500 and 400"),
                                  ("--pretrain-scenes", "8", "--pretrain-scenes must be >= 32 (one stage-0 batch), got 8"),
                                  ("--anchor-weight", "1", "--anchor-weight must be >= 0, and > 0 only with "
                                                           "--tower-lr-scale > 0, got 1.0 with --tower-lr-scale 0.0"),
-                                 ("--stop-after", "-1", "--stop-after must be >= 0 steps, got -1"),
+                                 ("--stop-after", "-1", "argument --stop-after: must be an integer >= 0, got -1"),
                                  ("--turns", "4", "--turns must be in [1, 3], got 4"),
                                  ("--stop-after", "0", "--stop-after 0 exports the run's checkpoint, and"),
-                                 ("--learning-rate", "inf", "argument --learning-rate: must be a finite number, got inf"),
+                                 ("--learning-rate", "inf", "argument --learning-rate: must be a finite number > 0, got inf"),
                                  ("--anchor-weight", "nan", "argument --anchor-weight: must be a finite number, got nan"),
                                  ("--seed", "-1", "argument --seed: must be an integer in [0, 4294967295], got -1"),
                                  ("--output", "", "argument --output: must be a path, got an empty string")):

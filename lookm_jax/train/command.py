@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from lookm_jax.cli_args import finite_float, path_arg, seed_arg
+from lookm_jax.cli_args import finite_float, int_at_least, path_arg, positive_float, seed_arg
 
 # Stage 0's defaults (tower.PretrainConfig's; a test checks they agree) and the most turns: literals, so that parsing the
 # command line does not import jax.
@@ -19,15 +19,15 @@ def add_parser(subparsers) -> None:
         help="train the demo's vision tower + projector on procedural scenes (frozen decoder)",
         description="Stage 0 pretrains the tower on patch labels; stage 1 trains the projector (and, with "
                     "--tower-lr-scale, the tower) on answer tokens through the frozen SmolLM2 decoder. Resumes from OUTPUT's checkpoint.")
-    p.add_argument("--steps", type=int, default=400, help="stage-1 steps (the cosine schedule's length)")
+    p.add_argument("--steps", type=int_at_least(1), default=400, help="stage-1 steps (the cosine schedule's length)")
     p.add_argument("--output", type=path_arg, required=True, help="run folder: checkpoint, log.jsonl, demo_vision.safetensors (required)")
-    p.add_argument("--learning-rate", type=finite_float, default=2e-3, help="stage-1 peak AdamW learning rate")
-    p.add_argument("--warmup-steps", type=int, default=30, help="stage-1 linear warmup steps")
-    p.add_argument("--batch-size", type=int, default=8, help="single-picture conversations per step")
+    p.add_argument("--learning-rate", type=positive_float, default=2e-3, help="stage-1 peak AdamW learning rate")
+    p.add_argument("--warmup-steps", type=int_at_least(0), default=30, help="stage-1 linear warmup steps")
+    p.add_argument("--batch-size", type=int_at_least(1), default=8, help="single-picture conversations per step")
     p.add_argument("--turns", type=int, default=3,
                    help=f"questions per single-picture conversation, in [1, {MAX_TURNS}] (the first asked with the picture, "
                         "as the held-out benchmark asks it; default 3)")
-    p.add_argument("--multi-every", type=int, default=4,
+    p.add_argument("--multi-every", type=int_at_least(0), default=4,
                    help="every N-th step trains on conversations over 2-8 pictures instead (0 = never)")
     p.add_argument("--text-facts", action="store_true",
                    help="one turn of each multi-picture conversation asks about a sentence between the pictures "
@@ -38,16 +38,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("--anchor-weight", type=finite_float, default=0.0,
                    help="keep stage 0's patch loss in the stage-1 objective at this weight while the tower trains "
                         "(needs --tower-lr-scale > 0; default 0: no anchor)")
-    p.add_argument("--pretrain-steps", type=int, default=PRETRAIN_STEPS, help="stage-0 steps (0 = skip stage 0)")
+    p.add_argument("--pretrain-steps", type=int_at_least(0), default=PRETRAIN_STEPS, help="stage-0 steps (0 = skip stage 0)")
     p.add_argument("--pretrain-scenes", type=int, default=PRETRAIN_SCENES,
                    help="distinct training scenes stage 0 cycles through (at least one stage-0 batch)")
-    p.add_argument("--eval-every", type=int, default=50, help="steps between held-out accuracy checks")
-    p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
+    p.add_argument("--eval-every", type=int_at_least(1), default=50, help="steps between held-out accuracy checks")
+    p.add_argument("--checkpoint-every", type=int_at_least(1), default=10, help="steps between checkpoints")
     p.add_argument("--init", metavar="WEIGHTS", type=path_arg,
                    help="start stage 1 from these exported weights (a demo_vision.safetensors; skips stage 0) "
                         "instead of the seeded tower (default: seeded tower)")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the scene stream and the stage-0 head")
-    p.add_argument("--stop-after", type=int,
+    p.add_argument("--stop-after", type=int_at_least(0),
                    help="end this call after N steps, resumable; 0 exports OUTPUT's checkpoint (default: run to --steps)")
     p.set_defaults(func=cmd_vision)
 
@@ -58,14 +58,11 @@ def train_config(args):
 
     from lookm_jax.train import data, tower, vision
 
-    if args.multi_every < 0 or args.pretrain_steps < 0 or args.batch_size < 1:
-        raise ValueError(f"need --multi-every >= 0, --pretrain-steps >= 0 and --batch-size >= 1, got "
-                         f"{args.multi_every}, {args.pretrain_steps}, {args.batch_size}")
+    if args.warmup_steps >= args.steps:
+        raise ValueError(f"--warmup-steps must be < --steps, got {args.warmup_steps} and {args.steps}")
     if args.pretrain_scenes < tower.PretrainConfig.batch_size:
         raise ValueError(f"--pretrain-scenes must be >= {tower.PretrainConfig.batch_size} (one stage-0 batch), "
                          f"got {args.pretrain_scenes}")
-    if args.stop_after is not None and args.stop_after < 0:
-        raise ValueError(f"--stop-after must be >= 0 steps, got {args.stop_after}")
     if args.text_facts and not args.multi_every:
         raise ValueError("--text-facts needs multi-picture steps: --multi-every must be >= 1, got 0")
     if not 0 <= args.tower_lr_scale <= 1:
