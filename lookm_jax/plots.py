@@ -10,15 +10,19 @@ Figures have a fixed size in pixels and are written atomically: a failed command
 from __future__ import annotations
 
 import csv
+import io
+import math
 import os
 
 from lookm_jax.cli_args import add_prompt_arguments, default_images, leading_images, path_arg, read_prompt
+from lookm_jax.errors import InputError
 from lookm_jax.eval.harness import CSV_COLUMNS as SWEEP_COLUMNS  # what `lookm eval needle/scenes` write
 
 METRICS = ("accuracy", "fidelity")
 DPI = 100
 SWEEP_PANEL_INCHES = (4.0, 3.6)  # one panel per prompt length
 SWEEP_LEGEND_INCHES = 3.4  # legend column to the right of the panels
+MAX_SWEEP_LENGTHS = 16  # panels of one sweep figure (6740 pixels wide); more would take minutes to draw
 ATTENTION_INCHES = (11.0, 9.0)
 TRAINING_INCHES = (11.0, 4.0)
 TRAINING_SMOOTHING = 15  # steps in the running mean of the per-step curves
@@ -33,40 +37,53 @@ def sweep_figsize(num_panels: int) -> tuple[float, float]:
 def read_sweep(path: str) -> list[dict]:
     """The sweep CSV -> rows with budget/accuracy/fidelity as floats, length/samples as ints.
 
-    Raises ValueError naming the problem (missing columns, no rows, a value that is not a number,
-    a metric outside [0, 1], a budget outside (0, 1]) and FileNotFoundError when there is no file.
+    Raises InputError naming the problem (missing columns, no rows, a short row, a value that is
+    not a number, a metric outside [0, 1], a budget outside (0, 1], a repeated (label, budget,
+    length), more than ``MAX_SWEEP_LENGTHS`` lengths) and FileNotFoundError when there is no file.
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no sweep results at {path}")
     try:
-        with open(path, newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: Excel starts its CSVs with a BOM
             reader = csv.DictReader(f)
             fieldnames, table = reader.fieldnames or (), list(reader)
     except UnicodeDecodeError:
-        raise ValueError(f"{path}: not a UTF-8 text file (a sweep CSV)") from None
+        raise InputError(f"{path}: not a UTF-8 text file (a sweep CSV)") from None
     missing = [c for c in SWEEP_COLUMNS if c not in fieldnames]
     if missing:
-        raise ValueError(f"{path}: missing column(s) {', '.join(missing)}; "
+        raise InputError(f"{path}: missing column(s) {', '.join(missing)}; "
                          f"a sweep CSV has the columns {','.join(SWEEP_COLUMNS)}")
-    rows = []
+    rows, seen = [], {}
     for line, raw in enumerate(table, start=2):
+        if None in raw.values():  # DictReader fills the columns a short row lacks with None
+            raise InputError(f"{path}, line {line}: too few columns ({sum(v is not None for v in raw.values())} "
+                             f"of the header's {len(fieldnames)})")
         try:
             row = {**raw, "budget": float(raw["budget"]), "length": int(raw["length"]),
                    "samples": int(raw["samples"]), "accuracy": float(raw["accuracy"]),
                    "fidelity": float(raw["fidelity"])}
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"{path}, line {line}: {err}") from None
+        except ValueError as err:
+            raise InputError(f"{path}, line {line}: {err}") from None
         if not 0.0 < row["budget"] <= 1.0:  # the full cache's is 1
-            raise ValueError(f"{path}, line {line}: budget {row['budget']} is outside (0, 1]")
+            raise InputError(f"{path}, line {line}: budget {row['budget']} is outside (0, 1]")
         if row["length"] < 1 or row["samples"] < 1:
-            raise ValueError(f"{path}, line {line}: length and samples must be >= 1, got {row['length']}, "
+            raise InputError(f"{path}, line {line}: length and samples must be >= 1, got {row['length']}, "
                              f"{row['samples']}")
         for metric in METRICS:
             if not 0.0 <= row[metric] <= 1.0:
-                raise ValueError(f"{path}, line {line}: {metric} {row[metric]} is outside [0, 1]")
+                raise InputError(f"{path}, line {line}: {metric} {row[metric]} is outside [0, 1]")
+        key = (row["label"], row["budget"], row["length"])
+        if key in seen:
+            raise InputError(f"{path}, lines {seen[key]} and {line}: both are label {key[0]!r}, budget {key[1]}, "
+                             f"length {key[2]}; a sweep has one row per (label, budget, length)")
+        seen[key] = line
         rows.append(row)
     if not rows:
-        raise ValueError(f"{path}: no result rows")
+        raise InputError(f"{path}: no result rows")
+    lengths = len({r["length"] for r in rows})
+    if lengths > MAX_SWEEP_LENGTHS:
+        raise InputError(f"{path}: {lengths} prompt lengths; a sweep figure has one panel per length and at most "
+                         f"{MAX_SWEEP_LENGTHS}")
     return rows
 
 
@@ -75,17 +92,22 @@ def _check_output(path: str) -> None:
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"output folder {folder} does not exist")
     if not path.lower().endswith(".png"):
-        raise ValueError(f"--output must be a .png file, got {path}")
+        raise InputError(f"--output must be a .png file, got {path}")
+    if os.path.isdir(path):
+        raise InputError(f"output {path} is a directory, not a .png file")
 
 
 def _save_png(fig, path: str) -> None:
-    """Write the figure to a temporary file beside `path` (mode from the umask, as for any new
-    file), then rename it into place."""
+    """Render the figure in memory, then write it to a temporary file beside `path` (mode from the
+    umask, as for any new file) and rename that into place: the temporary file exists only for the
+    write, so a kill while drawing leaves nothing behind."""
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=DPI)
     tmp = f"{path}.{os.getpid()}.tmp"
     f = open(tmp, "xb")
     try:
         with f:
-            fig.savefig(f, format="png", dpi=DPI)
+            f.write(png.getbuffer())
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -147,10 +169,34 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def _is_number(value) -> bool:
+    """A finite JSON number (not a bool, NaN or Infinity)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and (
+        isinstance(value, int) or math.isfinite(value))
+
+
+def _is_count(value) -> bool:
+    return _is_number(value) and isinstance(value, int) and value >= 1
+
+
+def _is_share(value) -> bool:
+    return _is_number(value) and 0 <= value <= 1
+
+
+# The numbers of a stage-1 record: field -> (required, accepts, the accepted range in words).
+TRAINING_FIELDS = {"step": (True, _is_count, "an integer >= 1"),
+                   "loss": (True, lambda v: _is_number(v) and v >= 0, "a finite number >= 0"),
+                   "accuracy": (True, _is_share, "a number in [0, 1]"),
+                   "pictures": (True, _is_count, "an integer >= 1"),
+                   "heldout_accuracy": (False, _is_share, "a number in [0, 1]"),
+                   "combination_accuracy": (False, _is_share, "a number in [0, 1]")}
+
+
 def read_training_log(path: str) -> list[dict]:
     """The stage-1 records of a `lookm train vision` log.jsonl (the records before them, keyed by one
     of `vision.PRELUDE_KEYS`, and a cut last line of a run still writing are skipped). Raises
-    ValueError naming the line that is not a record, FileNotFoundError when there is no file."""
+    InputError naming the line that is not a record, the field outside `TRAINING_FIELDS`' range or
+    a step that does not follow the one before; FileNotFoundError when there is no file."""
     import json
 
     from lookm_jax.train.vision import PRELUDE_KEYS
@@ -161,7 +207,7 @@ def read_training_log(path: str) -> list[dict]:
         with open(path, encoding="utf-8") as f:
             lines = f.read().split("\n")  # the last item is "" unless the last line was cut
     except UnicodeDecodeError:
-        raise ValueError(f"{path}: not a text file (a training log is JSON lines)") from None
+        raise InputError(f"{path}: not a text file (a training log is JSON lines)") from None
     rows = []
     for line, text in enumerate(lines, start=1):
         if not text.strip():
@@ -171,17 +217,22 @@ def read_training_log(path: str) -> list[dict]:
         except json.JSONDecodeError as err:
             if line == len(lines):  # cut while being written
                 continue
-            raise ValueError(f"{path}, line {line}: not JSON ({err})") from None
+            raise InputError(f"{path}, line {line}: not JSON ({err})") from None
         if not isinstance(record, dict):
-            raise ValueError(f"{path}, line {line}: a record is a JSON object, got {text.strip()[:40]!r}")
+            raise InputError(f"{path}, line {line}: a record is a JSON object, got {text.strip()[:40]!r}")
         if any(key in record for key in PRELUDE_KEYS):
             continue
-        fields = ("step", "loss", "accuracy", "pictures")
-        if not all(isinstance(record.get(k), (int, float)) and not isinstance(record.get(k), bool) for k in fields):
-            raise ValueError(f"{path}, line {line}: a stage-1 record has the numbers step, loss, accuracy and pictures")
+        for key, (required, accepts, accepted) in TRAINING_FIELDS.items():
+            if (required or key in record) and not accepts(record.get(key)):
+                got = f"is {json.dumps(record[key])[:40]}, not {accepted}" if key in record else "is missing"
+                raise InputError(f"{path}, line {line}: a stage-1 record has the numbers step, loss, accuracy and "
+                                 f"pictures; {key} {got}")
+        if rows and record["step"] <= rows[-1]["step"]:
+            raise InputError(f"{path}, line {line}: step {record['step']} after step {rows[-1]['step']}; "
+                             f"steps increase down the log")
         rows.append(record)
     if not rows:
-        raise ValueError(f"{path}: no stage-1 records")
+        raise InputError(f"{path}: no stage-1 records")
     return rows
 
 
@@ -223,9 +274,9 @@ def cmd_training(args) -> int:
     output = args.output or os.path.splitext(args.log)[0] + ".png"
     _check_output(output)
     rows = read_training_log(args.log)
-    _save_png(draw_training(rows, args.title or os.path.basename(args.log)), output)
     evaluated = [r for r in rows if "heldout_accuracy" in r]
     last = f"; last held-out {evaluated[-1]['heldout_accuracy']:.2f} at step {evaluated[-1]['step']}" if evaluated else ""
+    _save_png(draw_training(rows, args.title or os.path.basename(args.log)), output)
     print(f"wrote {output}: steps {rows[0]['step']}-{rows[-1]['step']}{last}")
     return 0
 
@@ -331,8 +382,10 @@ def cmd_attention(args) -> int:
           f"({n_image} image, {received.shape[1] - n_image} text)")
     print("layer | image share of A_s | text share (w/o first token) | first token | per query: text / image")
     for i in range(received.shape[0]):
+        ratio = (f"{summary['text_per_query'][i] / summary['image_per_query'][i]:8.2f}x" if n_image
+                 else "n/a (no image tokens)")
         print(f"{i:5d} | {summary['image_share'][i]:18.3f} | {summary['text_share'][i]:28.3f} | "
-              f"{summary['first_share'][i]:11.3f} | {summary['text_per_query'][i] / summary['image_per_query'][i]:8.2f}x")
+              f"{summary['first_share'][i]:11.3f} | {ratio}")
     print(f"mean  | {summary['image_share'].mean():18.3f} | {summary['text_share'].mean():28.3f} | "
           f"{summary['first_share'].mean():11.3f} | image tokens are {summary['image_token_share']:.1%} of the prompt")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import struct
 
 import chex
@@ -145,6 +146,60 @@ def test_plot_sweep_reports_a_missing_or_binary_file(tmp_path, capsys):
     assert "binary.csv: not a UTF-8 text file" in capsys.readouterr().err
 
 
+def test_plot_sweep_reads_a_csv_with_a_byte_order_mark(tmp_path, rng, capsys):
+    results = tmp_path / "sweep.csv"
+    write_sweep(results, rng)
+    results.write_bytes(b"\xef\xbb\xbf" + results.read_bytes())  # as Excel saves a CSV
+    assert cli.main(["plot", "sweep", str(results)]) == 0
+    assert "4 configurations, lengths 1024, 2048" in capsys.readouterr().out
+    png_size(tmp_path / "sweep.png")
+
+
+@pytest.mark.parametrize("case, message", [
+    ("short row", r"line 3: too few columns \(5 of the header's 9\)"),
+    ("duplicate", r"lines 3 and 28: .*label 'H2O', budget 0\.05, length 1024; .*one row per \(label, budget, length\)"),
+    ("too many lengths", rf"{plots.MAX_SWEEP_LENGTHS + 1} prompt lengths; .*at most {plots.MAX_SWEEP_LENGTHS}\b"),
+])
+def test_plot_sweep_refuses_short_rows_repeated_keys_and_too_many_panels(tmp_path, rng, case, message, capsys):
+    results = tmp_path / "sweep.csv"
+    lengths = range(100, 100 * (plots.MAX_SWEEP_LENGTHS + 2), 100) if case == "too many lengths" else (1024, 2048)
+    write_sweep(results, rng, lengths=lengths)
+    lines = results.read_text().splitlines()
+    if case == "short row":
+        lines[2] = ",".join(lines[2].split(",")[:5])
+    elif case == "duplicate":
+        lines.append(lines[2])  # line 28: the same (label, budget, length) with other metrics
+    results.write_text("\n".join(lines) + "\n")
+    assert cli.main(["plot", "sweep", str(results), "--output", str(tmp_path / "out.png")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and err.count("\n") == 1, err
+    assert os.listdir(tmp_path) == ["sweep.csv"]
+
+
+def test_plot_refuses_a_directory_as_output(tmp_path, rng, capsys):
+    results = tmp_path / "sweep.csv"
+    write_sweep(results, rng)
+    (tmp_path / "adir.png").mkdir()
+    assert cli.main(["plot", "sweep", str(results), "--output", str(tmp_path / "adir.png")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"adir\.png is a directory", err) and ".tmp" not in err, err
+    assert sorted(os.listdir(tmp_path)) == ["adir.png", "sweep.csv"] and not os.listdir(tmp_path / "adir.png")
+
+
+def test_save_png_renders_before_it_creates_a_file(tmp_path):
+    """A kill while drawing (SIGTERM runs no Python cleanup) finds no temporary file on disk."""
+    on_disk = []
+
+    class Figure:
+        def savefig(self, f, **kwargs):
+            on_disk.append(os.listdir(tmp_path))
+            f.write(PNG_SIGNATURE)
+
+    plots._save_png(Figure(), str(tmp_path / "out.png"))
+    assert on_disk == [[]]
+    assert os.listdir(tmp_path) == ["out.png"] and (tmp_path / "out.png").read_bytes() == PNG_SIGNATURE
+
+
 def test_plot_attention_on_the_demo_model(tmp_path, capsys):
     out = tmp_path / "attention.png"
     assert cli.main(["plot", "attention", "--image", cli_args.DEFAULT_IMAGES[1], "--prompt", "Describe it.",
@@ -156,6 +211,18 @@ def test_plot_attention_on_the_demo_model(tmp_path, capsys):
     assert len(shares) == 30
     for image, text, first in ((float(c) for c in row[1:4]) for row in shares):
         assert image + text + first == pytest.approx(1.0, abs=2e-3)  # 3 decimals each
+
+
+def test_plot_attention_without_image_tokens_prints_no_ratio(tmp_path, capsys):
+    from convert.gguf import smollm2_gguf_path
+
+    out = tmp_path / "attention.png"
+    assert cli.main(["plot", "attention", "--model", smollm2_gguf_path(), "--prompt", "hi", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = [line for line in printed.splitlines() if line.strip()[:1].isdigit()]
+    assert "(0 image," in printed and len(rows) == 30 and "nan" not in printed.lower()
+    assert all(row.endswith("| n/a (no image tokens)") for row in rows)
+    png_size(out)
 
 
 def _training_log(path, rng, steps: int = 40) -> None:
@@ -206,3 +273,28 @@ def test_plot_training_refuses_a_bad_log_and_writes_nothing(tmp_path, rng, capsy
     assert cli.main(["plot", "training", str(tmp_path / "none.jsonl")]) == 2
     assert "no training log at" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl"]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ('"heldout_accuracy": "high"', r'heldout_accuracy is "high", not a number in \[0, 1\]'),
+    ('"combination_accuracy": -0.1', r"combination_accuracy is -0\.1, not a number in \[0, 1\]"),
+    ('"loss": NaN', r"loss is NaN, not a finite number >= 0"),
+    ('"loss": Infinity', r"loss is Infinity, not a finite number >= 0"),
+    ('"accuracy": 1.5', r"accuracy is 1\.5, not a number in \[0, 1\]"),
+    ('"pictures": -1', r"pictures is -1, not an integer >= 1"),
+    ('"step": -3', r"step is -3, not an integer >= 1"),
+    ('"step": 41.5', r"step is 41\.5, not an integer >= 1"),
+    ('"step": 40', r"step 40 after step 40; steps increase"),
+    ('"step": 5', r"step 5 after step 40; steps increase"),
+])
+def test_plot_training_refuses_a_field_out_of_range_and_writes_nothing(tmp_path, rng, bad, message, capsys):
+    import json
+
+    log = tmp_path / "log.jsonl"
+    _training_log(log, rng)
+    record = json.loads(f'{{"step": 41, "loss": 0.3, "accuracy": 0.5, "pictures": 1, {bad}}}')
+    log.write_text(log.read_text() + json.dumps(record) + "\n")  # line 43
+    assert cli.main(["plot", "training", str(log), "--output", str(tmp_path / "out.png")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"^lookm: error: .*log\.jsonl, line 43: .*" + message, err) and err.count("\n") == 1, err
+    assert os.listdir(tmp_path) == ["log.jsonl"]
