@@ -93,13 +93,15 @@ def params_from_hf(config: ModelConfig, tensors: dict[str, np.ndarray], dtype=np
     """Canonically named HF tensors -> {"text": ..., [vision parts: "vision", "projector", ...]}.
 
     Consumes `tensors`; any tensor no table row explains is an error (it would be silently unused).
+    Given `tables.ShapesOnly()`, reads nothing and returns the shapes the config implies in place of arrays.
     """
     multimodal = not isinstance(config, LlamaConfig)
     text_cfg = config.text if multimodal else config
     tied = text_cfg.tie_word_embeddings
     if tied:
         tensors.pop("lm_head.weight", None)  # some tied checkpoints still store the head
-    with tqdm(total=1 + multimodal, desc="converting", unit="part", leave=False) as bar:
+    with tqdm(total=1 + multimodal, desc="converting", unit="part", leave=False,
+              disable=isinstance(tensors, tables.ShapesOnly)) as bar:
         params = {"text": apply_table(tensors, tables.LLAMA_TABLE, "", text_cfg.num_layers, tables.llama_shapes(text_cfg),
                                       dtype, skip=(("lm_head",) if tied else ())
                                       + (() if text_cfg.qkv_bias else tables.LLAMA_QKV_BIAS))}
@@ -110,6 +112,25 @@ def params_from_hf(config: ModelConfig, tensors: dict[str, np.ndarray], dtype=np
     if tensors:
         raise CheckpointError(f"checkpoint has tensors no mapping explains: {sorted(tensors)[:5]}")
     return params
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        flat.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+    return flat
+
+
+def check_shapes(config: ModelConfig, found: dict[str, tuple[int, ...]], where: str) -> None:
+    """Refuse (CheckpointError) params ({"text.embed": shape, ...}) other than those `config` implies
+    (`params_from_hf`'s dry run), naming the first that differs, its shape and the expected one."""
+    expected = _flat(params_from_hf(config, tables.ShapesOnly()))
+    for name in [*expected, *sorted(set(found) - set(expected))]:
+        accepted = tables.accepted_shapes(expected[name]) if name in expected else []
+        if found.get(name) not in accepted:
+            raise CheckpointError(f"{where}: parameter {name} has shape {found.get(name, 'none (absent)')}, its "
+                                  f"config implies {' or '.join(map(str, accepted)) or 'no such parameter'}; "
+                                  "convert the checkpoint again")
 
 
 def load_hf_folder(folder: str, dtype=np.float32) -> tuple[dict[str, Any], ModelConfig, dict]:

@@ -222,9 +222,8 @@ def internvit_llava_params(config: InternViTLlavaConfig, tensors: dict[str, np.n
     v = config.vision
     skip = (() if v.qkv_bias else ("layers.bqkv",)) + (() if v.qk_normalization else ("layers.q_norm", "layers.k_norm"))
     shapes = internvit_shapes(v)
-    stored = tensors.get("vision.embeddings.position_embedding")
-    if stored is not None and stored.shape[-2] == v.num_patches + 1:  # already resized to the input grid
-        shapes["pos_embed"] = (v.num_patches + 1, v.hidden_size)  # (InternVL's resize_pos_embeddings): used as is
+    # pos_embed: at the pretraining grid, or already resized to the input grid (InternVL's resize_pos_embeddings)
+    shapes["pos_embed"] = [shapes["pos_embed"], (v.num_patches + 1, v.hidden_size)]
     return {
         "vision": apply_table(tensors, INTERNVIT_TABLE, "vision.", v.num_layers, shapes, dtype, skip=skip),
         "projector": apply_table(tensors, tables.PROJECTOR_TABLE, "projector.", 0,

@@ -5,7 +5,9 @@ is a single memory-mappable file with no extra dependency, readable by any tool,
 under a second. Orbax's async, sharded checkpointing solves a training problem we do not have.
 
 Writes are atomic: everything goes to a hidden temporary folder beside the target, which is renamed
-into place only once complete, so an interrupted save never leaves a half-written model.
+into place only once complete, so an interrupted save never leaves a half-written model. The folder
+and its files get the umask's usual modes (0755 / 0644 under umask 022), so a shared cache is shared.
+Loads check the params' shapes, from the file's header, against the config before reading them.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import tempfile
 from typing import Any
 
 import numpy as np
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
+from lookm_jax.convert.hf import check_shapes, parse_config
 from lookm_jax.convert.tables import read_json_object
 from lookm_jax.errors import InputError
 
@@ -58,7 +61,8 @@ def is_converted(path: str) -> bool:
 
 def check_replaceable(path: str) -> None:
     """Refuse (InputError) a path `save_converted` must not write: "", the working directory or a
-    folder holding it, or an existing path that is neither a converted folder nor an empty folder."""
+    folder holding it, an existing path that is neither a converted folder nor an empty folder, or
+    one whose nearest existing parent is not a folder it can write into (tried with an empty folder)."""
     if not path:
         raise InputError("the converted folder's path is empty")
     target = os.path.abspath(path)
@@ -66,6 +70,21 @@ def check_replaceable(path: str) -> None:
         raise InputError(f"{path} is the working directory or holds it; refusing to replace it")
     if os.path.exists(path) and not (is_converted(path) or (os.path.isdir(path) and not os.listdir(path))):
         raise InputError(f"{path} exists and is neither a converted folder nor empty; refusing to replace it")
+    parent = os.path.dirname(target)
+    while not os.path.exists(parent):  # missing folders are created on save
+        parent = os.path.dirname(parent)
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".lookm-write-test-"))
+    except OSError:  # access() would not do: root passes it for /proc, where nothing can be created
+        raise InputError(f"{path}: cannot write there ({parent} is not a folder this user can write into)") from None
+
+
+def _umask() -> int:
+    """The process's umask: reading it sets it, to 0o077 for that instant (a file another thread
+    creates meanwhile is never left looser)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def save_converted(path: str, params: dict, manifest: dict[str, Any], tokenizer_json: str | None = None) -> None:
@@ -86,6 +105,10 @@ def save_converted(path: str, params: dict, manifest: dict[str, Any], tokenizer_
                 f.write(tokenizer_json)
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump({"format": FORMAT, "version": VERSION, **manifest}, f, indent=1)
+        mask = _umask()  # mkdtemp and safetensors create 0700 / 0600 whatever the umask
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o666 & ~mask)
+        os.chmod(tmp, 0o777 & ~mask)
         if os.path.exists(path):
             old = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(path)}.old-")
             os.replace(path, os.path.join(old, "x"))
@@ -99,14 +122,19 @@ def save_converted(path: str, params: dict, manifest: dict[str, Any], tokenizer_
 
 
 def load_converted(path: str) -> tuple[dict[str, Any], dict, str | None]:
-    """-> (manifest, numpy params tree, tokenizer json or None)."""
+    """-> (manifest, numpy params tree, tokenizer json or None); params whose names or shapes (in the
+    file's header) are not those its config implies are refused before they are read."""
     manifest = read_json_object(os.path.join(path, MANIFEST))
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise ValueError(f"{path}: not a {FORMAT} v{VERSION} folder (found {manifest.get('format')!r} "
                          f"v{manifest.get('version')!r}); convert the checkpoint again")
     if not isinstance(manifest.get("hf_config"), dict):
         raise ValueError(f"{path}: {MANIFEST} has no hf_config object; convert the checkpoint again")
+    config = parse_config(manifest["hf_config"])
     try:
+        with safe_open(os.path.join(path, PARAMS), framework="numpy") as f:
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        check_shapes(config, shapes, path)
         params = unflatten(load_file(os.path.join(path, PARAMS)))
     except (SafetensorError, OSError) as err:
         raise ValueError(f"{path}: corrupt or missing {PARAMS} ({err}); convert the checkpoint again") from err

@@ -22,6 +22,16 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or holds tensors that do not fit its config."""
 
 
+class ShapesOnly(dict):
+    """An empty `tensors` for a converter's dry run: `apply_table` reads nothing and puts, in place of
+    each tensor the config has, the shape it implies (a tuple, or a list of the accepted ones)."""
+
+
+def accepted_shapes(expected: tuple | list) -> list[tuple[int, ...]]:
+    """A shapes table's entry -> the shapes it accepts (`apply_table`, `hf.check_shapes`)."""
+    return expected if isinstance(expected, list) else [expected]
+
+
 def read_json_object(path: str, required: tuple[str, ...] = ()) -> dict:
     """A checkpoint's JSON file that must hold an object (with the `required` keys); anything else
     raises CheckpointError naming the file."""
@@ -154,10 +164,14 @@ def _set(tree: dict, path: str, value) -> None:
 
 def apply_table(tensors: dict[str, np.ndarray], table, prefix: str, num_layers: int,
                 shapes: dict[str, tuple[int, ...]], dtype, skip: tuple[str, ...] = ()) -> dict:
-    """Pop every row's tensors out of `tensors` and build our nested params, shape-checked."""
+    """Pop every row's tensors out of `tensors` and build our nested params, shape-checked (a
+    `ShapesOnly` dry run: each row's expected shape, nothing read)."""
     params: dict = {}
     for ours, hf_name, transform in table:
         if ours in skip:
+            continue
+        if isinstance(tensors, ShapesOnly):
+            _set(params, ours, shapes[ours])
             continue
         names = ([prefix + hf_name.format(i=i) for i in range(num_layers)] if "{i}" in hf_name
                  else [prefix + hf_name])
@@ -166,8 +180,9 @@ def apply_table(tensors: dict[str, np.ndarray], table, prefix: str, num_layers: 
             raise CheckpointError(f"checkpoint lacks tensor(s) {missing[:3]}{'...' if len(missing) > 3 else ''}")
         arrays = [(transform or (lambda a: a))(tensors.pop(n)) for n in names]
         value = np.stack(arrays) if "{i}" in hf_name else np.ascontiguousarray(arrays[0])
-        if value.shape != shapes[ours]:
+        accepted = accepted_shapes(shapes[ours])
+        if value.shape not in accepted:
             raise CheckpointError(f"{names[0]}: shape {value.shape} after mapping to {ours!r}, "
-                                  f"config implies {shapes[ours]}")
+                                  f"config implies {' or '.join(map(str, accepted))}")
         _set(params, ours, value.astype(dtype, copy=False))
     return params

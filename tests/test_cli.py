@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
+import json
 import os
 
 import numpy as np
@@ -172,3 +173,25 @@ def test_convert_then_load_gives_the_same_model(tiny_llava_folder, tmp_path, cap
     assert sorted(os.listdir(work)) == ["bad", "keep.txt", "other"] and os.listdir(work / "other") == ["notes.txt"]
     assert cli.main(["convert", tiny_llava_folder, str(dst), "--force"]) == 0
     assert sorted(os.listdir(tmp_path)) == ["converted", "work"]  # no temporary folder left
+
+
+def test_convert_refuses_an_unwritable_destination_before_reading(tiny_llava_folder, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file.txt").write_text("x")
+    monkeypatch.setattr(loading, "read_checkpoint", lambda path: pytest.fail("the checkpoint was read first"))
+    _fails(capsys, ["convert", tiny_llava_folder, "file.txt/out"], "file.txt/out: cannot write there",
+           "file.txt is not a folder")
+    if os.path.isdir("/proc"):  # the audit's case: no temporary folder's name, and no read of the checkpoint
+        err = _fails(capsys, ["convert", tiny_llava_folder, "/proc/out"], "/proc/out: cannot write there")
+        assert ".tmp-" not in err and "Errno" not in err, err
+    assert os.listdir(tmp_path) == ["file.txt"]
+
+
+def test_generate_refuses_a_converted_folder_whose_config_disagrees(tiny_llava_folder, tmp_path, capsys):
+    dst = tmp_path / "converted"
+    assert cli.main(["convert", tiny_llava_folder, str(dst)]) == 0
+    manifest = json.loads((dst / store.MANIFEST).read_text())
+    manifest["hf_config"]["text_config"]["num_hidden_layers"] = 10
+    (dst / store.MANIFEST).write_text(json.dumps(manifest))
+    _fails(capsys, ["generate", "--text-only", "--model", str(dst), "--prompt", "hi"],
+           "text.layers.attn_norm has shape (2, 48)", "config implies (10, 48)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 
 import jax
 import numpy as np
@@ -12,9 +14,12 @@ from safetensors.numpy import load_file, save_file
 
 import lookm_jax
 from conftest import tiny_llava
+from lookm_jax import loading
 from lookm_jax.convert import store
 from lookm_jax.convert.hf import CheckpointError
+from lookm_jax.errors import InputError
 from lookm_jax.models.config import ConfigError
+from original_layout import save_checkpoint, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -158,12 +163,84 @@ def test_malformed_json_files_are_named(checkpoint, tmp_path):
         lookm_jax.load(str(tmp_path / "c"))
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["text_config"].update(num_hidden_layers=3), r"text\.layers\.attn_norm has shape \(2, 48\).* \(3, 48\)"),
+    (lambda c: c["text_config"].update(hidden_size=64), r"text\.embed has shape \(251, 48\).* \(251, 64\)"),
+    (lambda c: c["text_config"].update(vocab_size=300), r"text\.embed has shape \(251, 48\).* \(300, 48\)"),
+    (lambda c: c["vision_config"].update(num_hidden_layers=2), r"vision\.layers\.\w+ has shape \(3, .* \(2, "),
+    (lambda c: c.update(multimodal_projector_bias=False), r"projector\.b1 has shape \(48,\).* no such parameter"),
+])
+def test_converted_folder_whose_config_disagrees_with_its_params_is_refused(checkpoint, tmp_path, monkeypatch,
+                                                                              edit, message):
+    """Checked from the params file's header, before the params are read: one error naming the first
+    parameter that differs, its shape and the config's."""
+    lookm_jax.load(str(checkpoint)).save(str(tmp_path / "c"))
+    manifest = json.loads((tmp_path / "c" / store.MANIFEST).read_text())
+    edit(manifest["hf_config"])
+    (tmp_path / "c" / store.MANIFEST).write_text(json.dumps(manifest))
+    monkeypatch.setattr(store, "load_file", lambda path: pytest.fail("the params were read before the check"))
+    folder = re.escape(str(tmp_path / "c"))
+    with pytest.raises(CheckpointError, match=rf"^{folder}: parameter {message}.*convert the checkpoint again"):
+        lookm_jax.load(str(tmp_path / "c"))
+
+
+def test_converted_folder_missing_a_parameter_is_refused(checkpoint, tmp_path):
+    lookm_jax.load(str(checkpoint)).save(str(tmp_path / "c"))
+    params = load_file(str(tmp_path / "c" / store.PARAMS))
+    del params["text.final_norm"]
+    save_file(params, str(tmp_path / "c" / store.PARAMS))
+    with pytest.raises(CheckpointError, match=r"parameter text\.final_norm has shape none \(absent\).* \(48,\)"):
+        lookm_jax.load(str(tmp_path / "c"))
+
+
+def test_plain_llama_survives_save(tmp_path):
+    """A text-only checkpoint's converted folder passes the shape check (as the llava, InternViT, InternVL,
+    MobileVLM and demo ones do in their tests)."""
+    lm, config = tiny_llama()
+    save_checkpoint(tmp_path / "hf", lm.state_dict(), {**config, "model_type": "llama"})
+    model = lookm_jax.load(str(tmp_path / "hf"))
+    model.save(str(tmp_path / "c"))
+    assert_same_params(model, lookm_jax.load(str(tmp_path / "c")))
+
+
+@pytest.mark.parametrize("umask, folder_mode, file_mode", [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640)],
+                         ids=["umask022", "umask027"])
+def test_converted_folders_get_the_umasks_modes(tmp_path, monkeypatch, umask, folder_mode, file_mode):
+    """Not mkdtemp's 0700 and safetensors' 0600: installs sharing a cache share the demo. Saved
+    directly (into missing parent folders) and as the demo cache."""
+    monkeypatch.setenv("LOOKM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "build_demo", lambda path=None: ({"hf_config": {}}, {"text": {"w": np.ones(3)}}, "{}"))
+    old = os.umask(umask)
+    try:
+        store.save_converted(str(tmp_path / "new" / "c"), {"text": {"w": np.ones(3)}}, {"hf_config": {}}, "{}")
+        loading._build_demo_cache("unused.gguf", str(tmp_path / "cache" / "demo"))
+    finally:
+        os.umask(old)
+    for folder in (tmp_path / "new" / "c", tmp_path / "cache" / "demo"):
+        modes = {name: stat.S_IMODE(os.stat(folder / name).st_mode) for name in os.listdir(folder)}
+        assert modes == dict.fromkeys([store.MANIFEST, store.PARAMS, store.TOKENIZER], file_mode), folder
+        assert stat.S_IMODE(os.stat(folder).st_mode) == stat.S_IMODE(os.stat(folder.parent).st_mode) == folder_mode
+    assert os.listdir(tmp_path / "new") == ["c"] and os.listdir(tmp_path / "cache") == ["demo"]
+
+
+def test_save_refuses_a_destination_it_cannot_write_before_writing(tmp_path):
+    (tmp_path / "file.txt").write_text("x")
+    for dst in (tmp_path / "file.txt" / "c", tmp_path / "file.txt" / "deeper" / "c"):
+        with pytest.raises(InputError, match=rf"^{re.escape(str(dst))}: cannot write there \("
+                                             rf"{re.escape(str(tmp_path / 'file.txt'))} is not a folder"):
+            store.save_converted(str(dst), {"text": {"w": np.ones(3)}}, {"hf_config": {}})
+    if os.path.isdir("/proc"):  # where even root creates nothing (the write test, not access(), sees it)
+        with pytest.raises(InputError, match=r"^/proc/c: cannot write there \(/proc is not a folder"):
+            store.save_converted("/proc/c", {"text": {"w": np.ones(3)}}, {"hf_config": {}})
+    assert os.listdir(tmp_path) == ["file.txt"]
+
+
 def test_save_converted_handles_strided_arrays(tmp_path):
     """Transposed views (what the mapping tables produce) must be written in their logical order."""
     weight = np.arange(12, dtype=np.float32).reshape(3, 4)
     params = {"text": {"w": weight.T, "stacked": np.stack([weight.T, weight.T + 1])}}
     store.save_converted(str(tmp_path / "c"), params, {"hf_config": {}})
-    _, loaded, _ = store.load_converted(str(tmp_path / "c"))
+    loaded = store.unflatten(load_file(str(tmp_path / "c" / store.PARAMS)))  # no config: load_converted refuses it
     np.testing.assert_array_equal(loaded["text"]["w"], weight.T)
     np.testing.assert_array_equal(loaded["text"]["stacked"], np.stack([weight.T, weight.T + 1]))
 

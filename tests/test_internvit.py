@@ -18,6 +18,7 @@ import lookm_jax
 from lookm_jax import get_method
 from lookm_jax.convert.hf import parse_config
 from lookm_jax.convert.original_llava import internvit_llava_params
+from lookm_jax.convert.tables import ShapesOnly, accepted_shapes
 from lookm_jax.models import internvit
 from lookm_jax.models.config import ConfigError, LlamaConfig
 from lookm_jax.models.image_processing import IMAGENET_MEAN, CLIPImageProcessorConfig
@@ -145,6 +146,8 @@ def test_tower_variant_with_resized_position_embeddings_matches_reference():
                     "projector.linear_2.bias": rng.standard_normal(48)})
     params = internvit_llava_params(cfg, tensors, np.float32)
     assert not tensors  # every tensor is mapped
+    expected = internvit_llava_params(cfg, ShapesOnly(), np.float32)  # what a converted folder's check accepts
+    assert params["vision"]["pos_embed"].shape in accepted_shapes(expected["vision"]["pos_embed"])
     pixels = rng.standard_normal((2, 3, 336, 336)).astype(np.float32)
     ours = np.asarray(jax.jit(internvit.hidden_states, static_argnums=(0, 3))(cfg.vision, params["vision"], pixels, 5))
     with torch.no_grad():

@@ -127,6 +127,14 @@ def test_logits_match_reference_with_minus_200_placeholders(tiny):
     np.testing.assert_allclose(ours, ref, atol=TOL, rtol=0)
 
 
+def test_survives_save(tiny, tmp_path):
+    model = tiny[0]
+    model.save(str(tmp_path / "converted"))  # passes the converted folder's shape check
+    again = lookm_jax.load(str(tmp_path / "converted"))
+    assert again.config == model.config
+    chex.assert_trees_all_equal(again.params, model.params)
+
+
 def test_lookm_generates_with_text_prior_from_the_splice(tiny):
     """L = 7 text + 16 image; budget 0.5 keeps 5 recent + 5 important: all 7 text tokens win over image."""
     model, *_ = tiny
