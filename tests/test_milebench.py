@@ -11,11 +11,13 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 
 import pytest
 
 from conftest import IMAGE_TOKEN, tiny_llava
+from lookm_jax.errors import InputError
 from lookm_jax.eval import harness
 from lookm_jax.eval import milebench as mb
 from lookm_jax.eval.milebench_scoring import (choice_letters, match_choice, multi_choice_correct, needle_correct,
@@ -133,11 +135,31 @@ def _edit_copy(tmp_path, name, edit):
     ("ActionLocalization", lambda d: d["data"][0].update(response="Never"), ValueError, "not one of its choices"),
     ("ActionLocalization", lambda d: d["data"][1].update(sample_id=0), ValueError, "duplicate sample_id"),
     ("ActionLocalization", lambda d: d["data"].clear(), ValueError, "with at least one sample"),
+    ("MMCoQA", lambda d: d["data"][0]["task_instance"].update(context="{table#1} and {image#2}: who won?"),
+     InputError, r"sample 3: the context's \{image#2\} has no image \(images_path lists 1\)$"),
+    ("MMCoQA", lambda d: d["data"][0].update(response=None), InputError,
+     r"sample 3: response null is not a string or a number$"),
+    ("MMCoQA", lambda d: d["data"][0]["task_instance"].update(images_path=[1]), ValueError,
+     "a list of str 'images_path'"),
+    ("MMCoQA", lambda d: d["data"][0]["task_instance"].update(images_path=[os.path.join(FIXTURE, "MMCoQA",
+                                                                                        "MMCoQA.json")]),
+     InputError, r"sample 3: image \S*MMCoQA.json is not a readable image \(UnidentifiedImageError"),
 ])
 def test_bad_dataset_files_get_clear_errors(tmp_path, name, edit, error, match):
     root = _edit_copy(tmp_path, name, edit)
     with pytest.raises(error, match=match):
         mb.load_dataset(root, name)
+
+
+def test_a_truncated_image_is_refused_when_the_dataset_is_read(tmp_path):
+    root = _edit_copy(tmp_path, "MMCoQA", lambda d: None)
+    image = os.path.join(root, "MMCoQA", "images", "t0.png")
+    with open(image, "rb") as f:
+        data = f.read()
+    with open(image, "wb") as f:
+        f.write(data[:-10])  # the header is whole: PIL opens it, its check finds the cut
+    with pytest.raises(InputError, match=r"t0.png is not a readable image \(OSError: truncated PNG file\)"):
+        mb.load_dataset(root, "MMCoQA")
 
 
 def test_missing_root_or_dataset_is_named(tmp_path):
@@ -334,3 +356,42 @@ def test_corrupt_predictions_file_is_named(tmp_path):
     path.write_text(json.dumps(_record("Full()", "WebQA", 0, 1.0)) + "\n{oops\n")
     with pytest.raises(ValueError, match="line 2: not JSON"):
         mb.read_predictions(str(path))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"score": "high"}, r'line 2: score "high" is not a number in \[0, 1\]$'),
+    ({"score": None}, r"line 2: score null is not a number in \[0, 1\]$"),
+    ({"score": 42.0}, r"line 2: score 42.0 is not a number in \[0, 1\]$"),
+    ({"dataset": ["x"]}, r'line 2: dataset \["x"\] is not a string$'),
+    ({"sample_id": "1"}, r'line 2: sample_id "1" is not an integer$'),
+    ({"adv": 0}, r"line 2: adv 0 is not true or false$"),
+    ({"dtype": "float16"}, r'line 2: dtype "float16" is not one of "float32", "bfloat16"$'),
+    ({"max_new_tokens": 0}, r"line 2: max_new_tokens 0 is not an integer >= 1$"),
+])
+def test_bad_prediction_records_are_named_by_field(tmp_path, change, message):
+    path = tmp_path / mb.PREDICTIONS
+    path.write_text(json.dumps(_record("Full()", "WebQA", 0, 1.0)) + "\n"
+                    + json.dumps({**_record("Full()", "WebQA", 1, 0.5), **change}) + "\n")
+    with pytest.raises(InputError, match=message):
+        mb.read_predictions(str(path))
+
+
+def test_a_bad_record_refuses_the_rerun_and_repeated_datasets_are_refused(tiny_folder, tmp_path, capsys):
+    """A sample_id written as a string would make its sample look not done (generated and counted
+    twice): the resume refuses the file and writes nothing; so does a dataset named twice."""
+    from lookm_jax.cli import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    record = {**_record("H2O(alpha_recent=0.25, alpha_important=0.25)", "ActionLocalization", "0", 1.0),
+              "model": os.path.abspath(tiny_folder), "max_new_tokens": 3}
+    text = json.dumps(record) + "\n"
+    (out / mb.PREDICTIONS).write_text(text)
+    assert _cli(tiny_folder, out) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(r'lookm: error: \S*predictions.jsonl, line 1: sample_id "0" is not an integer', err), err
+    assert os.listdir(out) == [mb.PREDICTIONS] and (out / mb.PREDICTIONS).read_text() == text
+    assert main(["eval", "milebench", FIXTURE, "--datasets", "MMCoQA", "GPR1200", "MMCoQA", "--output",
+                 str(tmp_path / "new")]) == 2
+    assert capsys.readouterr().err.strip() == "lookm: error: --datasets repeats MMCoQA: give each value once"
+    assert not (tmp_path / "new").exists()

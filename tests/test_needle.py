@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import os
 import re
 
@@ -317,4 +318,87 @@ def test_lengths_beyond_the_buckets_are_refused_before_any_haystack_is_built(tmp
     assert "--lengths 100000000: the prompt must fit the largest bucket (16384)" in capsys.readouterr().err
     assert main([*argv, "--lengths", "8170"]) == 2
     assert "with --max-new-tokens 32, the model's context (8192)" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)
+
+
+# ---- the JSONL rows and the command's checks --------------------------------------------------------
+
+ROW = {"seed": 0, "images": 4, "length": 1024, "sample": 0, "label": "full", "method": "full", "text_prior": "",
+       "merge": "", "budget": 1.0, "correct": True, "fidelity": 0.5, "depth": 0.25, "prompt_tokens": 1000}
+DROP = object()  # a field left out of the row
+
+
+def _calibrate_report(tmp_path, *extra):
+    from lookm_jax.cli import main
+
+    return main(["eval", "needle", "calibrate", "--lengths", "1024", "--samples", "2", "--report-only",
+                 "--jsonl", str(tmp_path / "rows.jsonl"), "--output", str(tmp_path / "t.csv"), *extra])
+
+
+def test_report_of_well_formed_rows_writes_the_summary(tmp_path):
+    (tmp_path / "rows.jsonl").write_text(json.dumps(ROW) + "\n" + json.dumps({**ROW, "sample": 1, "budget": 1}) + "\n")
+    assert _calibrate_report(tmp_path) == 0
+    with open(tmp_path / "t.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert (row["samples"], row["accuracy"], row["fidelity"]) == ("2", "1.0", "0.5")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"depth": DROP}, r"line 2: not a benchmark row \(a JSON object with label, .*depth\): no depth$"),
+    ({"prompt_tokens": DROP}, r"line 2: not a benchmark row \(.*\): no prompt_tokens$"),
+    ({"correct": "yes"}, r'line 2: correct "yes" is not true or false$'),
+    ({"correct": None}, r"line 2: correct null is not true or false$"),
+    ({"fidelity": "x"}, r'line 2: fidelity "x" is not a number in \[0, 1\]$'),
+    ({"fidelity": 7.5}, r"line 2: fidelity 7.5 is not a number in \[0, 1\]$"),
+    ({"label": ["full"]}, r'line 2: label \["full"\] is not a string$'),
+    ({"images": [1]}, r"line 2: images \[1\] is not an integer >= 0$"),
+    ({"sample": "0"}, r'line 2: sample "0" is not an integer >= 0$'),
+    ({"prompt_tokens": "600"}, r'line 2: prompt_tokens "600" is not an integer >= 1$'),
+    ({"budget": "1.0"}, r'line 2: budget "1.0" is not a number in \(0, 1\]$'),
+    ({"length": "1024"}, r'line 2: length "1024" is not an integer >= 1$'),
+    ({"seed": True}, r"line 2: seed true is not an integer in \[0, 4294967295\]$"),
+    ({"merge": "bogus"}, r'line 2: merge "bogus" is not one of "", "none", "averaged", "pivotal", "weighted"$'),
+])
+def test_a_bad_row_is_refused_in_one_line_naming_its_field(tmp_path, capsys, change, message):
+    """Each field of a row is checked against its type and range where the rows are read: the
+    error names the file, the line, the field, its value and what it accepts; nothing is written."""
+    bad = {k: v for k, v in {**ROW, **change}.items() if v is not DROP}
+    text = json.dumps(ROW) + "\n" + json.dumps(bad) + "\n"
+    (tmp_path / "rows.jsonl").write_text(text)
+    assert _calibrate_report(tmp_path) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"lookm: error: {tmp_path / 'rows.jsonl'}, line 2: ")
+    assert re.search(message, err), err
+    assert os.listdir(tmp_path) == ["rows.jsonl"] and (tmp_path / "rows.jsonl").read_text() == text
+
+
+def test_a_rerun_reads_the_rows_as_the_report_does_before_it_runs(tmp_path):
+    """The resume reads the same schema: a bad row refuses the run before anything (the cut last
+    line included) is touched."""
+    path = tmp_path / "rows.jsonl"
+    text = json.dumps(ROW) + "\n" + json.dumps({**ROW, "sample": 1, "fidelity": 7.5}) + "\n" + '{"seed": 0, "ima'
+    path.write_text(text)
+    with pytest.raises(InputError, match=r"line 2: fidelity 7.5 is not a number in \[0, 1\]"):
+        harness.run_prompts(None, [harness.SweepConfig("full", 1.0)], [], str(path), needle.KEY_FIELDS,
+                            needle.is_correct, schema=needle.ROW_SCHEMA, max_new_tokens=4)
+    assert path.read_text() == text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["calibrate", "--report-only", "--jsonl", "{tmp}/nothere.jsonl"],
+     r"--jsonl \S*nothere.jsonl does not exist \(--report-only summarises the rows of an earlier run\)"),
+    (["calibrate", "--lengths", "1024", "1280", "1024"], r"--lengths repeats 1024: give each value once"),
+    (["sweep", "--budgets", "0.1", "0.2", "0.10"], r"--budgets repeats 0.1: give each value once"),
+    (["calibrate", "--output", "{tmp}/nowhere/t.csv"], r"--output \S*t.csv: folder \S*nowhere does not exist"),
+    (["calibrate", "--output", "{tmp}"], r"--output \S* is a folder; give the summary CSV's file path"),
+])
+def test_arguments_that_cannot_run_are_refused_before_anything_runs(tmp_path, capsys, argv, message):
+    from lookm_jax.cli import main
+
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    defaults = {"--jsonl": str(tmp_path / "r.jsonl"), "--output": str(tmp_path / "t.csv")}
+    assert main(["eval", "needle", *argv, *[x for flag, path in defaults.items() if flag not in argv
+                                            for x in (flag, path)]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
     assert not os.listdir(tmp_path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -163,6 +164,9 @@ def test_eval_scenes_end_to_end_resumes_and_reports(demo, tmp_path, capsys):
     (["--tasks", "needle", "--pictures", "3"], "the needle task needs --pictures >= 6, got 3"),
     (["--ask-after-compression"], "--ask-after-compression applies to the picture tasks"),
     (["--max-decode-rows", "0"], "--max-decode-rows must be >= 1, got 0"),
+    (["--pictures", "3", "4", "3"], "--pictures repeats 3: give each value once"),
+    (["--tasks", "needle", "picture_colour", "needle"], "--tasks repeats needle: give each value once"),
+    (["--budgets", "0.5", "0.5"], "--budgets repeats 0.5: give each value once"),
 ])
 def test_eval_scenes_refuses_bad_arguments_in_one_line(argv, message, tmp_path, capsys):
     from lookm_jax.cli import main
@@ -174,10 +178,57 @@ def test_eval_scenes_refuses_bad_arguments_in_one_line(argv, message, tmp_path, 
 
 
 def test_report_only_without_rows_is_refused(tmp_path, capsys):
+    """A missing JSONL is named as missing; one without rows for these settings as holding none."""
     from lookm_jax.cli import main
 
-    assert main(["eval", "scenes", "calibrate", "--report-only", "--jsonl", str(tmp_path / "none.jsonl")]) == 2
-    assert "holds no rows" in capsys.readouterr().err
+    argv = ["eval", "scenes", "calibrate", "--report-only", "--output", str(tmp_path / "t.csv"), "--jsonl"]
+    assert main([*argv, str(tmp_path / "none.jsonl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(r"lookm: error: --jsonl \S*none.jsonl does not exist \(--report-only .*\)", err), err
+    (tmp_path / "empty.jsonl").write_text("")
+    assert main([*argv, str(tmp_path / "empty.jsonl")]) == 2
+    assert "empty.jsonl holds no rows for these settings" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == ["empty.jsonl"]
+
+
+ROW = {"label": "full", "method": "full", "text_prior": "", "merge": "", "budget": 1.0, "correct": True,
+       "fidelity": 1.0, "seed": 0, "pictures": 8, "task": "needle", "sample": 0, "prompt_tokens": 600}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"prompt_tokens": None}, r"line 2: not a benchmark row \(a JSON object with .*\): no prompt_tokens$"),
+    ({"asked": "later"}, r'line 2: asked "later" is not one of "in prompt", "after compression"$'),
+    ({"pictures": "8"}, r'line 2: pictures "8" is not an integer >= 0$'),
+    ({"task": ["needle"]}, r'line 2: task \["needle"\] is not a string$'),
+    ({"correct": 1}, r"line 2: correct 1 is not true or false$"),
+])
+def test_a_bad_row_is_refused_in_one_line_naming_its_field(tmp_path, capsys, change, message):
+    """Rows are checked field by field when read (`asked` may be absent: rows written before it);
+    the refusal writes no summary."""
+    from lookm_jax.cli import main
+
+    jsonl = tmp_path / "rows.jsonl"
+    bad = {k: v for k, v in {**ROW, **change}.items() if v is not None}
+    jsonl.write_text(json.dumps(ROW) + "\n" + json.dumps(bad) + "\n")
+    argv = ["eval", "scenes", "calibrate", "--report-only", "--tasks", "needle", "--pictures", "8", "--samples", "1",
+            "--jsonl", str(jsonl), "--output", str(tmp_path / "t.csv")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
+    assert os.listdir(tmp_path) == ["rows.jsonl"]
+    jsonl.write_text(json.dumps(ROW) + "\n")
+    assert main(argv) == 0 and (tmp_path / "t.csv").exists()
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_anything_runs(tmp_path, capsys):
+    from lookm_jax.cli import main
+
+    argv = ["eval", "scenes", "calibrate", "--jsonl", str(tmp_path / "rows.jsonl"), "--output"]
+    assert main([*argv, str(tmp_path / "nowhere" / "t.csv")]) == 2
+    assert re.search(r"--output \S*t.csv: folder \S*nowhere does not exist$", capsys.readouterr().err.strip())
+    assert main([*argv, str(tmp_path)]) == 2
+    assert re.search(r"--output \S* is a folder", capsys.readouterr().err)
+    assert not os.listdir(tmp_path)
 
 
 def test_unreadable_rows_and_a_summary_over_its_rows_are_refused(tmp_path, capsys):
@@ -186,8 +237,7 @@ def test_unreadable_rows_and_a_summary_over_its_rows_are_refused(tmp_path, capsy
     from lookm_jax.cli import main
 
     jsonl, output = tmp_path / "rows.jsonl", tmp_path / "t.csv"
-    row = {"label": "full", "method": "full", "text_prior": "", "merge": "", "budget": 1.0, "correct": True,
-           "fidelity": 1.0, "seed": 0, "pictures": 8, "task": "needle", "sample": 0}
+    row = ROW
     no_key = json.dumps({k: v for k, v in row.items() if k != "seed"})
     for bad, message in (('{"label": "full", "bud', "line 2: not JSON"), ("[1, 2]", "line 2: not a benchmark row"),
                          (no_key, "line 2: not a benchmark row")):

@@ -14,17 +14,24 @@ import dataclasses
 import json
 import os
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from lookm_jax.errors import InputError
+from lookm_jax.errors import MAX_SEED, InputError
 from lookm_jax.eval import jsonl
+from lookm_jax.eval.jsonl import Field
 
-ROW_FIELDS = ("label", "method", "text_prior", "merge", "budget", "correct", "fidelity")  # in every row `run_prompts` writes
 CSV_COLUMNS = ("label", "method", "text_prior", "merge", "budget", "length", "samples", "accuracy", "fidelity")
 DEFAULT_BUDGETS = (0.05, 0.1, 0.2, 0.5)
 LOOKM_MERGES = ("none", "averaged", "pivotal", "weighted")
+# What every row `run_prompts` writes holds (with the config's fields, the key fields both
+# benchmarks share); each benchmark's schema adds its own fields.
+ROW_SCHEMA = {
+    "label": Field(str), "method": Field(str), "text_prior": Field(str, choices=("1", "0", "")),
+    "merge": Field(str, choices=("", *LOOKM_MERGES)), "budget": Field(float, 0, 1, open_low=True),
+    "correct": Field(bool), "fidelity": Field(float, 0, 1), "seed": Field(int, 0, MAX_SEED), "sample": Field(int, 0),
+    "prompt_tokens": Field(int, 1)}
 _LABELS = {"full": "full", "streamingllm": "StreamingLLM", "h2o": "H2O", "snapkv": "SnapKV", "roco": "RoCo"}
 
 
@@ -93,11 +100,11 @@ def row_key(row: dict, key_fields: Sequence[str], defaults: dict | None = None) 
     return tuple(row[f] if f in row else defaults[f] for f in key_fields) + (row["label"], row["budget"])
 
 
-def read_rows(path: str, key_fields: Sequence[str] = ()) -> list[dict]:
+def read_rows(path: str, schema: Mapping[str, Field]) -> list[dict]:
     """Per-sample rows of a JSONL written by `run_prompts` ([] when the file does not exist yet),
-    each holding ROW_FIELDS and `key_fields`; a last line cut short by an interrupted write is
-    ignored (and overwritten by the next run)."""
-    return jsonl.read_records(path, (*ROW_FIELDS, *key_fields), "benchmark row")
+    each checked against the benchmark's `schema` (InputError naming the line and field); a last
+    line cut short by an interrupted write is ignored (and overwritten by the next run)."""
+    return jsonl.read_records(path, schema, "benchmark row")
 
 
 def encode_batch(model, texts: Sequence[str], leading_images: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -141,11 +148,12 @@ def encode_asked_after(model, batch: Sequence[Prompt]) -> tuple[np.ndarray, np.n
 
 
 def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Prompt]], jsonl_path: str,
-                key_fields: Sequence[str], is_correct: Callable[[str, str], bool], *, max_new_tokens: int,
-                max_decode_rows: int = 16, key_defaults: dict | None = None, log=print) -> None:
+                key_fields: Sequence[str], is_correct: Callable[[str, str], bool], *, schema: Mapping[str, Field],
+                max_new_tokens: int, max_decode_rows: int = 16, key_defaults: dict | None = None, log=print) -> None:
     """Answer every batch with every config, appending rows to `jsonl_path` batch by batch.
 
-    Rows already in the file (same key fields, label and budget) are skipped, so a rerun resumes.
+    Rows already in the file (same key fields, label and budget) are skipped, so a rerun resumes;
+    they are read as `read_rows(jsonl_path, schema)` reads them, so a bad row refuses the run.
     A row holds the key fields, the prompt's fields, its real token count, the config, the output,
     `correct` (`is_correct(answer, output)`) and `fidelity` (share of greedy tokens equal to the
     full cache's, which always runs first). `key_fields` name a sample (one of them "sample").
@@ -155,8 +163,7 @@ def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Pr
     if configs[0] != SweepConfig("full", 1.0):
         raise ValueError("configs must start with the full cache (fidelity's reference)")
     methods = [c.build() for c in configs]
-    required = [f for f in key_fields if f not in (key_defaults or {})]
-    done = {row_key(r, key_fields, key_defaults) for r in read_rows(jsonl_path, required)}
+    done = {row_key(r, key_fields, key_defaults) for r in read_rows(jsonl_path, schema)}
     os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
     jsonl.drop_cut_line(jsonl_path)
     start, ran = time.perf_counter(), 0
@@ -237,14 +244,34 @@ def write_table(path: str, header: list[str], lines: list[list]) -> None:
             os.remove(tmp)
 
 
+def refuse_repeats(flag: str, values: Sequence) -> None:
+    """Refuse (InputError) a list flag that names a value twice: its samples would run, and count, twice."""
+    repeated = sorted({v for v in values if list(values).count(v) > 1})
+    if repeated:
+        raise InputError(f"{flag} repeats {', '.join(map(str, repeated))}: give each value once")
+
+
 def check_run_arguments(args, jsonl: str, output: str) -> None:
-    """Refuse (InputError) what `lookm eval needle` and `lookm eval scenes` cannot run with."""
-    if os.path.abspath(jsonl) == os.path.abspath(output):
-        raise InputError(f"--jsonl and --output are the same file ({jsonl}): the summary would overwrite the rows")
+    """Refuse (InputError; FileNotFoundError for a missing file or folder) what `lookm eval needle`
+    and `lookm eval scenes` cannot run with, before anything runs. A given --output's folder must
+    exist (the default's is made)."""
     if args.max_decode_rows < 1:
         raise InputError(f"--max-decode-rows must be >= 1, got {args.max_decode_rows}")
     if args.mode == "calibrate" and (args.methods or args.budgets is not None):
         raise InputError("calibrate runs the full cache only; --methods and --budgets are for sweep")
+    for flag in ("lengths", "pictures", "tasks", "budgets"):
+        refuse_repeats(f"--{flag}", getattr(args, flag, None) or ())
+    if os.path.abspath(jsonl) == os.path.abspath(output):
+        raise InputError(f"--jsonl and --output are the same file ({jsonl}): the summary would overwrite the rows")
+    if args.report_only and not os.path.isfile(jsonl):
+        raise FileNotFoundError(f"--jsonl {jsonl} does not exist (--report-only summarises the rows of an earlier run)")
+    folder = os.path.dirname(os.path.abspath(output))
+    if os.path.isdir(output):
+        raise InputError(f"--output {output} is a folder; give the summary CSV's file path")
+    if args.output is not None and not os.path.isdir(folder):
+        raise FileNotFoundError(f"--output {output}: folder {folder} does not exist")
+    if os.path.isdir(folder) and not os.access(folder, os.W_OK):
+        raise InputError(f"--output {output}: folder {folder} is not writable")
 
 
 def format_table(table: list[dict], column: str = "accuracy") -> str:

@@ -25,13 +25,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import time
 
 import numpy as np
 
 from lookm_jax.cli_args import add_method_arguments, method_from_args, path_arg
-from lookm_jax.errors import PARAM_DTYPES
+from lookm_jax.errors import PARAM_DTYPES, InputError
 from lookm_jax.eval import harness, jsonl
+from lookm_jax.eval.jsonl import Field
 from lookm_jax.eval.milebench_scoring import QUESTION_TYPES, choice_letters, normalize, score
 
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -54,6 +56,11 @@ PREDICTIONS = "predictions.jsonl"
 DATASETS_CSV = "milebench_datasets.csv"
 GROUPS_CSV = "milebench_groups.csv"
 CONFIG_FIELDS = ("model", "method", "dtype", "max_new_tokens", "max_prompt_tokens", "adv")
+RECORD_SCHEMA = {  # what a predictions.jsonl record holds, as `read_predictions` checks it
+    "model": Field(str), "method": Field(str), "dtype": Field(str, choices=PARAM_DTYPES),
+    "max_new_tokens": Field(int, 1), "max_prompt_tokens": Field(int, 1), "adv": Field(bool), "dataset": Field(str),
+    "sample_id": Field(int), "score": Field(float, 0, 1)}
+_PLACEHOLDER = re.compile(r"\{(?:image|table)#\d+\}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,18 +115,23 @@ def _sample(item, meta: dict, dataset: str, image_dir: str, where: str) -> Sampl
     if not isinstance(sample_id, int) or isinstance(sample_id, bool):
         raise ValueError(f"{where}: sample_id must be an int")
     if not isinstance(task, dict) or not isinstance(task.get("context"), str) or not isinstance(
-            task.get("images_path"), list):
-        raise ValueError(f"{where}: task_instance needs a str 'context' and a list 'images_path'")
+            task.get("images_path"), list) or not all(isinstance(p, str) for p in task["images_path"]):
+        raise ValueError(f"{where}: task_instance needs a str 'context' and a list of str 'images_path'")
     instructions = meta["task_instruction"]
     if not isinstance(item["task_instruction_id"], int) or not 0 <= item["task_instruction_id"] < len(instructions):
         raise ValueError(f"{where}: task_instruction_id {item['task_instruction_id']!r} is not an index into "
                          f"the {len(instructions)} task instructions")
     images = task["images_path"]
     context = _context(task, dataset, len(images))
+    unmatched = _PLACEHOLDER.search(context)
+    if unmatched:
+        raise InputError(f"{where}: the context's {unmatched[0]} has no image (images_path lists {len(images)})")
     texts = context.split(IMAGE_MARKER)
     if len(texts) != len(images) + 1:
         raise ValueError(f"{where}: {len(texts) - 1} image placeholders in the context for {len(images)} images")
     choices = None
+    if not isinstance(item["response"], (str, int, float)) or isinstance(item["response"], bool):
+        raise InputError(f"{where}: response {json.dumps(item['response'])} is not a string or a number")
     answer = str(item["response"])
     if meta["question_type"] == "multi-choice":
         if not isinstance(task.get("choice_list"), list) or not task["choice_list"]:
@@ -158,11 +170,26 @@ def load_dataset(root: str, name: str, adv: bool = False, limit: int | None = No
     if len(set(ids)) != len(ids):
         raise ValueError(f"{path}: duplicate sample_id values")
     samples = samples[:limit]
+    checked = set()
     for s in samples:
-        for image in s.images:
-            if not os.path.isfile(image):
-                raise FileNotFoundError(f"{path} sample {s.sample_id}: image {image} not found")
+        for image in set(s.images) - checked:
+            _check_image(image, f"{path} sample {s.sample_id}")
+            checked.add(image)
     return samples
+
+
+def _check_image(path: str, where: str) -> None:
+    """Refuse a missing file, or one that PIL cannot open as an image (its header; for PNG, its chunks
+    and checksums too), before anything runs."""
+    from PIL import Image
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{where}: image {path} not found")
+    try:
+        with Image.open(path) as picture:
+            picture.verify()
+    except Exception as err:  # PIL raises OSError, SyntaxError, struct.error, ... for a broken file
+        raise InputError(f"{where}: image {path} is not a readable image ({type(err).__name__}: {err})") from None
 
 
 # ---- prompts --------------------------------------------------------------------------------------
@@ -228,8 +255,8 @@ def method_label(method) -> str:
 
 
 def read_predictions(path: str) -> list[dict]:
-    """The records of a predictions file (none if it does not exist)."""
-    return jsonl.read_records(path, (*CONFIG_FIELDS, "dataset", "sample_id", "score"), "MileBench prediction record")
+    """The records of a predictions file (none if it does not exist), checked against RECORD_SCHEMA."""
+    return jsonl.read_records(path, RECORD_SCHEMA, "MileBench prediction record")
 
 
 def evaluate(model, samples: list[Sample], method, config: dict, output: str) -> list[dict]:
@@ -240,10 +267,10 @@ def evaluate(model, samples: list[Sample], method, config: dict, output: str) ->
     from lookm_jax.inputs import open_image
 
     path = os.path.join(output, PREDICTIONS)
-    if jsonl.drop_cut_line(path):
-        print(f"note: removed an incomplete last line from {path} (an interrupted run)")
     done = {(r["dataset"], r["sample_id"]) for r in read_predictions(path)
             if all(r[k] == config[k] for k in CONFIG_FIELDS)}
+    if jsonl.drop_cut_line(path):
+        print(f"note: removed an incomplete last line from {path} (an interrupted run)")
     todo = [s for s in samples if (s.dataset, s.sample_id) not in done]
     if len(todo) < len(samples):
         print(f"resuming: {len(samples) - len(todo)} of {len(samples)} samples already in {path}")
@@ -341,8 +368,12 @@ def cmd_milebench(args) -> int:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    harness.refuse_repeats("--datasets", args.datasets or ())
     names = args.datasets or find_datasets(args.root, args.adv)
     samples = [s for name in names for s in load_dataset(args.root, name, args.adv, args.limit)]
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise ValueError(f"--output {args.output} is a file; give a folder for predictions and tables")
+    read_predictions(os.path.join(args.output, PREDICTIONS))  # a bad record refuses before the model loads
     method = method_from_args(args)
     model = lookm_jax.load(args.model, args.dtype) if args.model else lookm_jax.load_default(args.dtype)
     if not model.is_multimodal:
@@ -363,8 +394,6 @@ def cmd_milebench(args) -> int:
     config = {"model": os.path.abspath(args.model) if args.model else "default", "method": method_label(method),
               "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": max_prompt,
               "adv": args.adv}
-    if os.path.exists(args.output) and not os.path.isdir(args.output):
-        raise ValueError(f"--output {args.output} is a file; give a folder for predictions and tables")
     rows = summarize(evaluate(model, samples, method, config, args.output))
     for by, name in (("datasets", DATASETS_CSV), ("groups", GROUPS_CSV)):
         header, lines = table(rows, by)

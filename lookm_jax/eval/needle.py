@@ -19,6 +19,7 @@ from lookm_jax.errors import InputError
 from lookm_jax.eval import harness
 from lookm_jax.eval.harness import (DEFAULT_BUDGETS, SweepConfig, format_table, read_rows, summarize,
                                     sweep_configs, write_csv)
+from lookm_jax.eval.jsonl import Field
 from lookm_jax.generate import LONG_BUCKETS
 from lookm_jax.models.processors import IMAGE_MARKER
 
@@ -170,6 +171,7 @@ def is_correct(answer: str, generated: str) -> bool:
 # ---- the sweep ------------------------------------------------------------------------------------
 
 KEY_FIELDS = ("seed", "images", "length", "sample")
+ROW_SCHEMA = {**harness.ROW_SCHEMA, "images": Field(int, 0), "length": Field(int, 1), "depth": Field(float, 0, 1)}
 
 
 def _pixel_values(model, num_images: int) -> np.ndarray | None:
@@ -202,9 +204,9 @@ def run_sweep(model, configs: list[SweepConfig], lengths, n: int, seed: int, jso
                                   s.prompt, s.answer, pixels, {"depth": s.depth})
                    for i, s in enumerate(samples)]
         batches += [prompts[first:first + batch_size] for first in range(first_sample, n, batch_size)]
-    harness.run_prompts(model, configs, batches, jsonl_path, KEY_FIELDS, is_correct, max_new_tokens=max_new_tokens,
-                        max_decode_rows=max_decode_rows, log=log)
-    return select_rows(read_rows(jsonl_path, KEY_FIELDS), configs, lengths, n, seed, text_only)
+    harness.run_prompts(model, configs, batches, jsonl_path, KEY_FIELDS, is_correct, schema=ROW_SCHEMA,
+                        max_new_tokens=max_new_tokens, max_decode_rows=max_decode_rows, log=log)
+    return select_rows(read_rows(jsonl_path, ROW_SCHEMA), configs, lengths, n, seed, text_only)
 
 
 def select_rows(rows: list[dict], configs: list[SweepConfig], lengths, n: int, seed: int,
@@ -291,7 +293,7 @@ def cmd_needle(args) -> int:
     print(f"needle {args.mode}: {len(configs)} configs x lengths {args.lengths} x {args.samples} samples, "
           f"seed {args.seed}, load average {harness.load_average()}", flush=True)
     if args.report_only:
-        rows = select_rows(read_rows(jsonl, KEY_FIELDS), configs, args.lengths, args.samples, args.seed, args.text_only)
+        rows = select_rows(read_rows(jsonl, ROW_SCHEMA), configs, args.lengths, args.samples, args.seed, args.text_only)
         if not rows:
             raise ValueError(f"{jsonl} holds no rows for these settings")
     else:

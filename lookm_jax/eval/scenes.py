@@ -22,6 +22,7 @@ import numpy as np
 from lookm_jax import scenes
 from lookm_jax.cli_args import path_arg, seed_arg
 from lookm_jax.eval import harness, needle
+from lookm_jax.eval.jsonl import Field
 
 TASKS = scenes.MULTI_KINDS + ("needle",)
 KEY_FIELDS = ("seed", "pictures", "task", "asked", "sample")
@@ -29,7 +30,8 @@ KEY_FIELDS = ("seed", "pictures", "task", "asked", "sample")
 # logits, computed before compression) or after compression (fed through the compressed cache).
 ASKED = ("in prompt", "after compression")
 KEY_DEFAULTS = {"asked": ASKED[0]}  # rows written before the field asked in the prompt
-ROW_KEYS = tuple(f for f in KEY_FIELDS if f not in KEY_DEFAULTS)  # what every row holds
+ROW_SCHEMA = {**harness.ROW_SCHEMA, "pictures": Field(int, 0), "task": Field(str),
+              "asked": Field(str, choices=ASKED, optional=True)}  # absent: KEY_DEFAULTS
 NEEDLE_IMAGE_FRACTION = 0.75
 _NEEDLE_STREAM = 2 * 10**6  # the needle task's pictures: apart from the multi-picture samples' streams
 
@@ -110,9 +112,10 @@ def run_benchmark(model, configs: list[harness.SweepConfig], tasks, pictures, n:
         for task in tasks:
             prompts = task_prompts(model, task, count, n, seed, asked)
             batches += [prompts[i:i + batch_size] for i in range(0, n, batch_size)]
-    harness.run_prompts(model, configs, batches, jsonl_path, KEY_FIELDS, is_correct, max_new_tokens=max_new_tokens,
-                        max_decode_rows=max_decode_rows, key_defaults=KEY_DEFAULTS, log=log)
-    return select_rows(harness.read_rows(jsonl_path, ROW_KEYS), configs, tasks, pictures, n, seed, asked)
+    harness.run_prompts(model, configs, batches, jsonl_path, KEY_FIELDS, is_correct, schema=ROW_SCHEMA,
+                        max_new_tokens=max_new_tokens, max_decode_rows=max_decode_rows, key_defaults=KEY_DEFAULTS,
+                        log=log)
+    return select_rows(harness.read_rows(jsonl_path, ROW_SCHEMA), configs, tasks, pictures, n, seed, asked)
 
 
 def select_rows(rows: list[dict], configs, tasks, pictures, n: int, seed: int, asked: str = ASKED[0]) -> list[dict]:
@@ -241,8 +244,8 @@ def cmd_scenes(args) -> int:
     print(f"scenes {args.mode}: {len(configs)} configs x tasks {' '.join(args.tasks)} x pictures {args.pictures} x "
           f"{args.samples} samples, seed {args.seed}, load average {harness.load_average()}", flush=True)
     if args.report_only:
-        rows = select_rows(harness.read_rows(jsonl, ROW_KEYS), configs, args.tasks, args.pictures, args.samples, args.seed,
-                           asked)
+        rows = select_rows(harness.read_rows(jsonl, ROW_SCHEMA), configs, args.tasks, args.pictures, args.samples,
+                           args.seed, asked)
         if not rows:
             raise ValueError(f"{jsonl} holds no rows for these settings")
     else:
