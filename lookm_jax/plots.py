@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import csv
 import io
-import math
 import os
 
 from lookm_jax.cli_args import add_prompt_arguments, default_images, leading_images, path_arg, read_prompt
 from lookm_jax.errors import InputError
 from lookm_jax.eval.harness import CSV_COLUMNS as SWEEP_COLUMNS  # what `lookm eval needle/scenes` write
+from lookm_jax.eval.jsonl import Field
 
 METRICS = ("accuracy", "fidelity")
 DPI = 100
@@ -169,27 +169,10 @@ def cmd_sweep(args) -> int:
     return 0
 
 
-def _is_number(value) -> bool:
-    """A finite JSON number (not a bool, NaN or Infinity)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and (
-        isinstance(value, int) or math.isfinite(value))
-
-
-def _is_count(value) -> bool:
-    return _is_number(value) and isinstance(value, int) and value >= 1
-
-
-def _is_share(value) -> bool:
-    return _is_number(value) and 0 <= value <= 1
-
-
-# The numbers of a stage-1 record: field -> (required, accepts, the accepted range in words).
-TRAINING_FIELDS = {"step": (True, _is_count, "an integer >= 1"),
-                   "loss": (True, lambda v: _is_number(v) and v >= 0, "a finite number >= 0"),
-                   "accuracy": (True, _is_share, "a number in [0, 1]"),
-                   "pictures": (True, _is_count, "an integer >= 1"),
-                   "heldout_accuracy": (False, _is_share, "a number in [0, 1]"),
-                   "combination_accuracy": (False, _is_share, "a number in [0, 1]")}
+# The numbers of a stage-1 record: type and range.
+TRAINING_FIELDS = {"step": Field(int, 1), "loss": Field(float, 0), "accuracy": Field(float, 0, 1),
+                   "pictures": Field(int, 1), "heldout_accuracy": Field(float, 0, 1, optional=True),
+                   "combination_accuracy": Field(float, 0, 1, optional=True)}
 
 
 def read_training_log(path: str) -> list[dict]:
@@ -222,9 +205,9 @@ def read_training_log(path: str) -> list[dict]:
             raise InputError(f"{path}, line {line}: a record is a JSON object, got {text.strip()[:40]!r}")
         if any(key in record for key in PRELUDE_KEYS):
             continue
-        for key, (required, accepts, accepted) in TRAINING_FIELDS.items():
-            if (required or key in record) and not accepts(record.get(key)):
-                got = f"is {json.dumps(record[key])[:40]}, not {accepted}" if key in record else "is missing"
+        for key, field in TRAINING_FIELDS.items():
+            if (not field.optional or key in record) and not field.accepts(record.get(key)):
+                got = f"is {json.dumps(record[key])[:40]}, not {field.describe()}" if key in record else "is missing"
                 raise InputError(f"{path}, line {line}: a stage-1 record has the numbers step, loss, accuracy and "
                                  f"pictures; {key} {got}")
         if rows and record["step"] <= rows[-1]["step"]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Mapping
 
@@ -27,10 +28,12 @@ class Field:
             return False
         if not isinstance(value, (int, float) if self.kind is float else self.kind):
             return False
+        if isinstance(value, float) and not math.isfinite(value):  # JSON's NaN and Infinity
+            return False
         if self.choices:
             return value in self.choices
         above = self.low is None or (value > self.low if self.open_low else value >= self.low)
-        return above and (self.high is None or value <= self.high)  # NaN is neither
+        return above and (self.high is None or value <= self.high)
 
     def describe(self) -> str:
         if self.choices:
