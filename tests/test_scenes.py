@@ -177,6 +177,22 @@ def test_eval_scenes_refuses_bad_arguments_in_one_line(argv, message, tmp_path, 
     assert message in err and len(err.splitlines()) == 1 and not jsonl.exists()
 
 
+def test_picture_benchmarks_refuse_a_text_only_model_in_one_line(tiny, tmp_path, capsys, monkeypatch):
+    import lookm_jax
+    from lookm_jax.cli import main
+    from lookm_jax.model import Model
+
+    text_only = Model(tiny.text_config, {"text": tiny.params["text"]}, tiny.manifest, tiny.tokenizer)
+    monkeypatch.setattr(lookm_jax, "load", lambda *args: text_only)
+    for argv, message in ((["scenes", "calibrate"], "the scenes benchmark needs a multimodal"),
+                          (["needle", "calibrate", "--lengths", "100"], "; pass --text-only for the text needle")):
+        jsonl = tmp_path / "rows.jsonl"
+        assert main(["eval", *argv, "--model", "m", "--jsonl", str(jsonl), "--output", str(tmp_path / "t.csv")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "text-only" in err and len(err.splitlines()) == 1, err
+        assert os.listdir(tmp_path) == []
+
+
 def test_report_only_without_rows_is_refused(tmp_path, capsys):
     """A missing JSONL is named as missing; one without rows for these settings as holding none."""
     from lookm_jax.cli import main

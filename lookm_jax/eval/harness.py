@@ -244,6 +244,12 @@ def write_table(path: str, header: list[str], lines: list[list]) -> None:
             os.remove(tmp)
 
 
+def check_multimodal(model, benchmark: str, hint: str = "") -> None:
+    """Refuse (InputError) a text-only model for a benchmark that shows it pictures."""
+    if not model.is_multimodal:
+        raise InputError(f"{benchmark} needs a multimodal (LLaVA-style) model; this one is text-only{hint}")
+
+
 def refuse_repeats(flag: str, values: Sequence) -> None:
     """Refuse (InputError) a list flag that names a value twice: its samples would run, and count, twice."""
     repeated = sorted({v for v in values if list(values).count(v) > 1})

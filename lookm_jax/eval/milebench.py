@@ -376,8 +376,7 @@ def cmd_milebench(args) -> int:
     read_predictions(os.path.join(args.output, PREDICTIONS))  # a bad record refuses before the model loads
     method = method_from_args(args)
     model = lookm_jax.load(args.model, args.dtype) if args.model else lookm_jax.load_default(args.dtype)
-    if not model.is_multimodal:
-        raise ValueError("MileBench needs a multimodal (LLaVA) model; this one is text-only")
+    harness.check_multimodal(model, "MileBench")
     if model.processor.tiling:
         raise ValueError("tiling models (HF-format InternVL) are not supported by the MileBench harness yet: "
                          "their image token counts depend on each image's tiles")

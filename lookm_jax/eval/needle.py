@@ -298,6 +298,8 @@ def cmd_needle(args) -> int:
             raise ValueError(f"{jsonl} holds no rows for these settings")
     else:
         model = lookm_jax.load(args.model) if args.model else lookm_jax.load_default()
+        if not args.text_only:
+            harness.check_multimodal(model, "the needle among pictures", "; pass --text-only for the text needle")
         rows = run_sweep(model, configs, args.lengths, args.samples, args.seed, jsonl, text_only=args.text_only,
                          image_fraction=image_fraction, batch_size=args.batch_size,
                          max_new_tokens=args.max_new_tokens, max_decode_rows=args.max_decode_rows,

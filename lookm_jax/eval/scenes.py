@@ -250,6 +250,7 @@ def cmd_scenes(args) -> int:
             raise ValueError(f"{jsonl} holds no rows for these settings")
     else:
         model = lookm_jax.load(args.model) if args.model else lookm_jax.load_default()
+        harness.check_multimodal(model, "the scenes benchmark")
         rows = run_benchmark(model, configs, args.tasks, args.pictures, args.samples, args.seed, jsonl,
                              batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                              max_decode_rows=args.max_decode_rows, asked=asked, log=lambda s: print(s, flush=True))
