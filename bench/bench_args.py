@@ -6,18 +6,10 @@ from __future__ import annotations
 import argparse
 import os
 
+from lookm_jax.cli_args import int_at_least
 
-def at_least(minimum: int):
-    """The type of an int option that must be >= `minimum`."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
-        return value
-    return parse
+
+at_least = int_at_least  # the type of an int option that must be >= its minimum, as the `lookm` commands parse it
 
 
 def json_path(text: str) -> str:
