@@ -78,7 +78,12 @@ def embed(cfg, params: dict, input_ids: jax.Array,
     x = llama.embed_tokens(params["text"], jnp.where(is_image, 0, input_ids))
     if pixel_values is None:
         return x, is_image
-    feats = image_features(cfg, params, pixel_values).astype(x.dtype)
-    feats = feats.reshape(-1, feats.shape[-1])  # [n_images * T_img, H]
-    index = jnp.clip(jnp.cumsum(is_image.reshape(-1)) - 1, 0, feats.shape[0] - 1).reshape(is_image.shape)
-    return jnp.where(is_image[..., None], feats[index], x), is_image
+    return place_features(x, is_image, image_features(cfg, params, pixel_values)), is_image
+
+
+def place_features(x: jax.Array, is_image: jax.Array, features: jax.Array) -> jax.Array:
+    """Image features [n_images, T_img, H] into the placeholders (`is_image` [B, L]) of the token
+    embeddings x [B, L, H], in reading order."""
+    features = features.astype(x.dtype).reshape(-1, features.shape[-1])  # [n_images * T_img, H]
+    index = jnp.clip(jnp.cumsum(is_image.reshape(-1)) - 1, 0, features.shape[0] - 1).reshape(is_image.shape)
+    return jnp.where(is_image[..., None], features[index], x)

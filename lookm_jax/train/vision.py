@@ -116,10 +116,16 @@ def answer_metrics(cfg, trainable: dict, text_params: dict, batch: dict) -> tupl
     word), "image_norm": penalty term of the image tokens' norms (`TrainConfig.image_norm_weight`)}."""
     params = {"text": text_params, **trainable}
     x, is_image = llava.embed(cfg, params, batch["ids"], batch["pixel_values"])
+    return embedded_answer_metrics(cfg.text, text_params, x, is_image, batch)
+
+
+def embedded_answer_metrics(text_cfg, text_params: dict, x: jax.Array, is_image: jax.Array,
+                            batch: dict) -> tuple[jax.Array, dict]:
+    """`answer_metrics` of prompts already embedded: x [B, L, H] with the image tokens in place."""
     text_norm = jnp.linalg.norm(text_params["embed"].astype(jnp.float32), axis=-1).mean()
     log_ratio = jnp.log(jnp.linalg.norm(x.astype(jnp.float32), axis=-1) / text_norm)  # [B, L]
     image_norm = jnp.where(is_image, log_ratio**2, 0.0).sum() / jnp.maximum(is_image.sum(), 1)
-    h = llama.forward(cfg.text, text_params, x, batch["valid"])  # [B, L, H]
+    h = llama.forward(text_cfg, text_params, x, batch["valid"])  # [B, L, H]
     h = jnp.take_along_axis(h, batch["target_positions"][..., None], axis=1)  # [B, A, H]
     logits = llama.lm_logits(text_params, h)  # [B, A, V] fp32: the head runs on answer slots only
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][..., None], axis=-1)[..., 0]

@@ -1,0 +1,133 @@
+"""How far stage 1 gets when the image tokens come from the scene's TRUE patch labels (issue 10).
+
+    python bench/oracle_tokens.py [--steps 300] [--eval-every 50] [--save PATH.npz] [--json PATH]
+    python bench/oracle_tokens.py --init PATH.npz --first-sample 4800 --learning-rate 3e-4 ...   # continue
+
+An oracle stands in for tower + projector: each patch's labels (`tower.patch_labels`: colour or
+background, and on an object its shape, side and half; everywhere the object count), one-hot, plus
+a learned embedding of the patch's position, through a 2-layer GELU MLP to the decoder's width. It
+is trained as `lookm train vision --turns 1 --batch-size 16` trains the projector: single-picture
+first questions (training split, seed 7), answer tokens only, stage 1's optimizer and image-norm
+penalty, through the frozen SmolLM2 decoder. Every --eval-every steps it prints teacher-forced
+first-answer-token accuracy on the 120 selection questions (held-out split, seed 1), the bar's 60
+(seed 0) and the 24 held-out combinations; for the shipped weights this measure equals their greedy
+accuracy. No tower behind this projector and decoder can carry more than these labels do, so the
+oracle's curve bounds what the trained vision side can reach with the same steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from bench_args import at_least, json_path
+
+EVALUATIONS = (("selection", "heldout", 120, 1), ("bar", "heldout", 60, 0), ("combination", "combination", 24, 0))
+BATCH, LENGTH, TARGETS, DATA_SEED = 16, 128, 4, 7  # `single_picture_spec(16, turns=1)`'s static shapes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=at_least(1), default=300, help="training steps (the cosine's length)")
+    parser.add_argument("--learning-rate", type=float, default=1e-3, help="peak AdamW learning rate")
+    parser.add_argument("--warmup-steps", type=at_least(0), default=20)
+    parser.add_argument("--eval-every", type=at_least(1), default=50)
+    parser.add_argument("--init", metavar="NPZ", help="start from an oracle saved by --save")
+    parser.add_argument("--first-sample", type=at_least(0), default=0,
+                        help="training scene of step 1 (a continuation passes the steps x 16 already seen)")
+    parser.add_argument("--save", metavar="NPZ", help="write the oracle's parameters here at every evaluation")
+    parser.add_argument("--json", metavar="PATH", type=json_path, help="also write the curves to PATH")
+    args = parser.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from lookm_jax import loading, scenes
+    from lookm_jax.eval import scenes as scene_eval
+    from lookm_jax.models import llama, llava
+    from lookm_jax.train import tower, vision
+    from lookm_jax.train.data import Encoder, single_picture_conversation
+
+    model = loading.demo_model()
+    cfg, encoder, text = model.config, Encoder.of(model), model.params["text"]
+    size, patch, hidden = cfg.vision.image_size, cfg.vision.patch_size, cfg.text.hidden_size
+
+    def onehots(scene) -> np.ndarray:  # [P, 15]
+        labels = tower.patch_labels(scene, size, patch)
+        on_object = (labels["colour"] > 0)[:, None]
+        parts = [np.eye(5)[labels["colour"]], np.eye(3)[labels["shape"]] * on_object,
+                 np.eye(2)[labels["side"]] * on_object, np.eye(2)[labels["half"]] * on_object,
+                 np.eye(scenes.MAX_OBJECTS)[labels["count"]]]
+        return np.concatenate(parts, -1).astype(np.float32)
+
+    def batch_of(items) -> dict:  # [(scene, conversation)] -> arrays, with the labels
+        made = encoder.batch([c for _, c in items], [scenes.render(s, size) for s, _ in items], LENGTH, TARGETS)
+        arrays = {k: jnp.asarray(v) for k, v in vars(made).items() if k != "pixel_values"}
+        return {**arrays, "labels": jnp.asarray(np.stack([onehots(s) for s, _ in items]))}
+
+    def embedded(oracle, text, batch):
+        is_image = batch["ids"] == cfg.image_token_id
+        x = llama.embed_tokens(text, jnp.where(is_image, 0, batch["ids"]))
+        tokens = jax.nn.gelu(batch["labels"] @ oracle["a"] + oracle["pos"], approximate=False) @ oracle["b"] + oracle["c"]
+        return llava.place_features(x, is_image, tokens), is_image
+
+    def metrics(oracle, text, batch):  # the decoder's weights are an argument: closed over, XLA would fold them
+        return vision.embedded_answer_metrics(cfg.text, text, *embedded(oracle, text, batch), batch)
+
+    config = vision.TrainConfig(steps=args.steps, learning_rate=args.learning_rate, warmup_steps=args.warmup_steps)
+    tx = vision.optimizer(config)
+
+    @jax.jit
+    def step(oracle, opt_state, text, batch):
+        def loss(o):
+            answer, m = metrics(o, text, batch)
+            return answer + config.image_norm_weight * m["image_norm"], (answer, m)
+
+        (_, (answer, m)), grads = jax.value_and_grad(loss, has_aux=True)(oracle)
+        updates, opt_state = tx.update(grads, opt_state, oracle)
+        return optax.apply_updates(oracle, updates), opt_state, answer, m["accuracy"]
+
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    oracle = {"a": jax.random.normal(keys[0], (15, hidden)) * 0.3,
+              "pos": jax.random.normal(keys[1], (cfg.image_seq_length, hidden)) * 0.02,
+              "b": jax.random.normal(keys[2], (hidden, hidden)) / np.sqrt(hidden), "c": jnp.zeros(hidden)}
+    if args.init:
+        oracle = {k: jnp.asarray(v) for k, v in np.load(args.init).items()}
+    opt_state = tx.init(oracle)
+    held_out = {name: scene_eval.held_out_questions(split, n, seed) for name, split, n, seed in EVALUATIONS}
+    evaluate = jax.jit(lambda o, t, b: metrics(o, t, b)[1]["accuracy"])
+
+    def accuracy(items) -> dict:  # per question kind: the held-out split cycles the kinds
+        kinds = {}
+        for q_kind in dict.fromkeys(q.kind for _, q in items):
+            chosen = [(s, [("<image>\n" + q.text, scenes.answer_text(q.answer))]) for s, q in items if q.kind == q_kind]
+            kinds[q_kind] = (float(evaluate(oracle, text, batch_of(chosen))), len(chosen))
+        total = sum(a * n for a, n in kinds.values()) / len(items)
+        return {"all": round(total, 3), **{k: round(a, 3) for k, (a, _) in kinds.items()}}
+
+    curve, losses, start = [], [], time.perf_counter()
+    for s in range(1, args.steps + 1):
+        first = args.first_sample + (s - 1) * BATCH
+        samples = [scenes.single_picture_sample("train", DATA_SEED, i, 1) for i in range(first, first + BATCH)]
+        batch = batch_of([(x.scene, single_picture_conversation(x)) for x in samples])
+        oracle, opt_state, loss, train_accuracy = step(oracle, opt_state, text, batch)
+        losses.append((float(loss), float(train_accuracy)))
+        if s % args.eval_every == 0 or s == args.steps:
+            window = np.mean(losses[-args.eval_every:], axis=0)
+            point = {"step": s, "seconds": round(time.perf_counter() - start), "train_loss": round(float(window[0]), 3),
+                     "train_accuracy": round(float(window[1]), 3),
+                     **{name: accuracy(items) for name, items in held_out.items()}}
+            curve.append(point)
+            print(json.dumps(point), flush=True)
+            if args.save:
+                np.savez(args.save, **jax.device_get(oracle))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "curve": curve}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
