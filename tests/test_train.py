@@ -291,6 +291,11 @@ def test_train_command_refuses_bad_arguments_before_writing(tmp_path, capsys):
         with pytest.raises(SystemExit) if message.startswith("argument") else contextlib.nullcontext():  # argparse's
             assert cli.main(["train", "vision", "--output", str(out), flag, value]) == 2
         assert message in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert cli.main(["train", "vision", "--output", str(tmp_path / "file")]) == 2
+    assert "--output " + str(tmp_path / "file") + " is a file; give a run folder" in capsys.readouterr().err
+    assert cli.main(["train", "vision", "--output", str(out), "--init", str(tmp_path)]) == 2
+    assert "is a folder; give the demo_vision.safetensors" in capsys.readouterr().err
     (tmp_path / "text.safetensors").write_text("not weights")
     save_file({"vision.patch": np.zeros(2, np.float32)}, str(tmp_path / "other.safetensors"))
     for name, message in (("text", "not a readable safetensors file"), ("other", "not the demo's vision weights")):

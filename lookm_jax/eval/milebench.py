@@ -371,8 +371,11 @@ def cmd_milebench(args) -> int:
     harness.refuse_repeats("--datasets", args.datasets or ())
     names = args.datasets or find_datasets(args.root, args.adv)
     samples = [s for name in names for s in load_dataset(args.root, name, args.adv, args.limit)]
-    if os.path.exists(args.output) and not os.path.isdir(args.output):
-        raise ValueError(f"--output {args.output} is a file; give a folder for predictions and tables")
+    existing = os.path.abspath(args.output)
+    while not os.path.exists(existing):  # the nearest part of the path that exists must be a folder
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"--output {args.output}: {existing} is a file; give a folder for predictions and tables")
     read_predictions(os.path.join(args.output, PREDICTIONS))  # a bad record refuses before the model loads
     method = method_from_args(args)
     model = lookm_jax.load(args.model, args.dtype) if args.model else lookm_jax.load_default(args.dtype)

@@ -95,10 +95,14 @@ def cmd_vision(args) -> int:
     from lookm_jax.train import vision
 
     config = train_config(args)
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise ValueError(f"--output {args.output} is a file; give a run folder (new, or a run's to resume it)")
     if args.stop_after == 0 and not os.path.isfile(os.path.join(args.output, vision.CHECKPOINT)):
         raise ValueError(f"--stop-after 0 exports the run's checkpoint, and {args.output} has none")
     start = None
     if args.init:
+        if os.path.isdir(args.init):
+            raise ValueError(f"--init {args.init} is a folder; give the demo_vision.safetensors a run exported")
         if not os.path.isfile(args.init):
             raise FileNotFoundError(f"--init: no such weights file: {args.init}")
         start = loading.read_demo_vision(args.init)
