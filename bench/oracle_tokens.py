@@ -44,6 +44,7 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
     import optax
+    from tqdm.auto import tqdm
 
     from lookm_jax import loading, scenes
     from lookm_jax.eval import scenes as scene_eval
@@ -109,19 +110,21 @@ def main() -> None:
         return {"all": round(total, 3), **{k: round(a, 3) for k, (a, _) in kinds.items()}}
 
     curve, losses, start = [], [], time.perf_counter()
-    for s in range(1, args.steps + 1):
+    bar = tqdm(range(1, args.steps + 1), desc="oracle", unit="step")
+    for s in bar:
         first = args.first_sample + (s - 1) * BATCH
         samples = [scenes.single_picture_sample("train", DATA_SEED, i, 1) for i in range(first, first + BATCH)]
         batch = batch_of([(x.scene, single_picture_conversation(x)) for x in samples])
         oracle, opt_state, loss, train_accuracy = step(oracle, opt_state, text, batch)
         losses.append((float(loss), float(train_accuracy)))
+        bar.set_postfix(loss=f"{losses[-1][0]:.3f}")
         if s % args.eval_every == 0 or s == args.steps:
             window = np.mean(losses[-args.eval_every:], axis=0)
             point = {"step": s, "seconds": round(time.perf_counter() - start), "train_loss": round(float(window[0]), 3),
                      "train_accuracy": round(float(window[1]), 3),
                      **{name: accuracy(items) for name, items in held_out.items()}}
             curve.append(point)
-            print(json.dumps(point), flush=True)
+            bar.write(json.dumps(point))
             if args.save:
                 np.savez(args.save, **jax.device_get(oracle))
     if args.json:
