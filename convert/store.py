@@ -22,6 +22,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
+from lookm_jax.checks import can_create_in, nearest_existing
 from lookm_jax.convert.hf import check_shapes, parse_config
 from lookm_jax.convert.tables import read_json_object
 from lookm_jax.errors import InputError
@@ -70,13 +71,9 @@ def check_replaceable(path: str) -> None:
         raise InputError(f"{path} is the working directory or holds it; refusing to replace it")
     if os.path.exists(path) and not (is_converted(path) or (os.path.isdir(path) and not os.listdir(path))):
         raise InputError(f"{path} exists and is neither a converted folder nor empty; refusing to replace it")
-    parent = os.path.dirname(target)
-    while not os.path.exists(parent):  # missing folders are created on save
-        parent = os.path.dirname(parent)
-    try:
-        os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".lookm-write-test-"))
-    except OSError:  # access() would not do: root passes it for /proc, where nothing can be created
-        raise InputError(f"{path}: cannot write there ({parent} is not a folder this user can write into)") from None
+    parent = nearest_existing(os.path.dirname(target))  # missing folders are created on save
+    if not (os.path.isdir(parent) and can_create_in(parent)):
+        raise InputError(f"{path}: cannot write there ({parent} is not a folder this user can write into)")
 
 
 def _umask() -> int:

@@ -1,11 +1,15 @@
 """Predicates for the input checks of the API and the CLI, in one place so every check agrees on
-what a number is: a bool is never one."""
+what a number is (a bool is never one) and on what an output path must be."""
 
 from __future__ import annotations
 
 import math
 import numbers
 import operator
+import os
+import tempfile
+
+from lookm_jax.errors import InputError
 
 
 def as_int(x) -> int | None:
@@ -27,3 +31,50 @@ def is_int_at_least(x, minimum: int) -> bool:
 def is_real(x) -> bool:
     """A finite Python or NumPy real number (not a bool)."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def nearest_existing(path: str) -> str:
+    """The longest leading part of abspath(path) that exists: where a save that creates the missing
+    folders of `path` starts."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    return existing
+
+
+def can_create_in(folder: str) -> bool:
+    """Whether this process can create an entry in `folder`, tried with an empty folder that is
+    removed at once (os.access would not do: root passes it for /proc, where nothing can be made)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=folder, prefix=".lookm-write-test-"))
+    except OSError:
+        return False
+    return True
+
+
+def check_output_folder(path: str, name: str) -> None:
+    """Refuse (InputError) an output folder `name` (e.g. "--output") at `path`, created with its
+    missing parents on save, when `path` or the nearest existing part of it is a file, or when that
+    part is a folder this process cannot write into."""
+    existing = nearest_existing(path)
+    where = "" if existing == os.path.abspath(path) else f": {existing}"
+    if not os.path.isdir(existing):
+        raise InputError(f"{name} {path}{where} is a file; give a folder")
+    if not can_create_in(existing):
+        raise InputError(f"{name} {path}: cannot write into {existing}")
+
+
+def check_output_file(path: str, name: str, create_folder: bool = False) -> None:
+    """Refuse an output file `name` at `path` that is a folder (InputError), whose folder does not
+    exist (FileNotFoundError; with `create_folder` a missing folder is made on save and only its
+    nearest existing part is checked) or cannot be written into (InputError)."""
+    if os.path.isdir(path):
+        raise InputError(f"{name} {path} is a folder; give a file path")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not create_folder and not os.path.isdir(folder):
+        raise FileNotFoundError(f"{name} {path}: folder {folder} does not exist")
+    existing = nearest_existing(folder)
+    if not os.path.isdir(existing):
+        raise InputError(f"{name} {path}: {existing} is a file, not a folder")
+    if not can_create_in(existing):
+        raise InputError(f"{name} {path}: cannot write into {existing}")

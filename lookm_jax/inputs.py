@@ -193,8 +193,9 @@ def prepare(model, input_ids, pixels, attention_mask, max_new_tokens: int, metho
 
 
 def open_image(image):
-    """An image file (path) -> PIL image, loaded; a PIL image or array passes through."""
-    from PIL import Image, UnidentifiedImageError
+    """An image file (path) -> PIL image, decoded (so a cut file fails here, not mid-run); a PIL
+    image or array passes through. Raises InputError for a missing or unreadable file."""
+    from PIL import Image
 
     if not isinstance(image, (str, os.PathLike)):
         return image
@@ -202,7 +203,7 @@ def open_image(image):
         picture = Image.open(image)
         picture.load()
     except FileNotFoundError:
-        raise InputError(f"image file not found: {image}") from None
-    except (UnidentifiedImageError, OSError) as err:
-        raise InputError(f"{image}: not a readable image ({type(err).__name__}: {err})") from None
+        raise InputError(f"image {image} not found") from None
+    except Exception as err:  # PIL raises OSError, SyntaxError, struct.error, ... for a broken file
+        raise InputError(f"image {image} is not a readable image ({type(err).__name__}: {err})") from None
     return picture

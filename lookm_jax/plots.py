@@ -13,6 +13,7 @@ import csv
 import io
 import os
 
+from lookm_jax.checks import check_output_file
 from lookm_jax.cli_args import add_prompt_arguments, default_images, leading_images, path_arg, read_prompt
 from lookm_jax.errors import InputError
 from lookm_jax.eval.harness import CSV_COLUMNS as SWEEP_COLUMNS  # what `lookm eval needle/scenes` write
@@ -88,13 +89,9 @@ def read_sweep(path: str) -> list[dict]:
 
 
 def _check_output(path: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"output folder {folder} does not exist")
+    check_output_file(path, "--output")
     if not path.lower().endswith(".png"):
         raise InputError(f"--output must be a .png file, got {path}")
-    if os.path.isdir(path):
-        raise InputError(f"output {path} is a directory, not a .png file")
 
 
 def _save_png(fig, path: str) -> None:

@@ -51,7 +51,7 @@ def _fails(capsys, argv, *needles):
 
 def test_unreadable_image(cli_demo, capsys):
     (cli_demo / "fake.png").write_text("a text file")
-    _fails(capsys, ["generate", "--image", "fake.png"], "fake.png: not a readable image")
+    _fails(capsys, ["generate", "--image", "fake.png"], "fake.png is not a readable image")
 
 
 @pytest.mark.parametrize("argv,needles", [

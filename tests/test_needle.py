@@ -390,7 +390,7 @@ def test_a_rerun_reads_the_rows_as_the_report_does_before_it_runs(tmp_path):
     (["calibrate", "--lengths", "1024", "1280", "1024"], r"--lengths repeats 1024: give each value once"),
     (["sweep", "--budgets", "0.1", "0.2", "0.10"], r"--budgets repeats 0.1: give each value once"),
     (["calibrate", "--output", "{tmp}/nowhere/t.csv"], r"--output \S*t.csv: folder \S*nowhere does not exist"),
-    (["calibrate", "--output", "{tmp}"], r"--output \S* is a folder; give the summary CSV's file path"),
+    (["calibrate", "--output", "{tmp}"], r"--output \S* is a folder; give a file path"),
 ])
 def test_arguments_that_cannot_run_are_refused_before_anything_runs(tmp_path, capsys, argv, message):
     from lookm_jax.cli import main

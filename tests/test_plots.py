@@ -182,7 +182,7 @@ def test_plot_refuses_a_directory_as_output(tmp_path, rng, capsys):
     (tmp_path / "adir.png").mkdir()
     assert cli.main(["plot", "sweep", str(results), "--output", str(tmp_path / "adir.png")]) == 2
     err = capsys.readouterr().err
-    assert re.search(r"adir\.png is a directory", err) and ".tmp" not in err, err
+    assert re.search(r"adir\.png is a folder; give a file path", err) and ".tmp" not in err, err
     assert sorted(os.listdir(tmp_path)) == ["adir.png", "sweep.csv"] and not os.listdir(tmp_path / "adir.png")
 
 

@@ -18,6 +18,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from lookm_jax.checks import check_output_file
 from lookm_jax.errors import MAX_SEED, InputError
 from lookm_jax.eval import jsonl
 from lookm_jax.eval.jsonl import Field
@@ -260,7 +261,7 @@ def refuse_repeats(flag: str, values: Sequence) -> None:
 def check_run_arguments(args, jsonl: str, output: str) -> None:
     """Refuse (InputError; FileNotFoundError for a missing file or folder) what `lookm eval needle`
     and `lookm eval scenes` cannot run with, before anything runs. A given --output's folder must
-    exist (the default's is made)."""
+    exist (the default's is made), and neither may be unwritable."""
     if args.max_decode_rows < 1:
         raise InputError(f"--max-decode-rows must be >= 1, got {args.max_decode_rows}")
     if args.mode == "calibrate" and (args.methods or args.budgets is not None):
@@ -271,13 +272,7 @@ def check_run_arguments(args, jsonl: str, output: str) -> None:
         raise InputError(f"--jsonl and --output are the same file ({jsonl}): the summary would overwrite the rows")
     if args.report_only and not os.path.isfile(jsonl):
         raise FileNotFoundError(f"--jsonl {jsonl} does not exist (--report-only summarises the rows of an earlier run)")
-    folder = os.path.dirname(os.path.abspath(output))
-    if os.path.isdir(output):
-        raise InputError(f"--output {output} is a folder; give the summary CSV's file path")
-    if args.output is not None and not os.path.isdir(folder):
-        raise FileNotFoundError(f"--output {output}: folder {folder} does not exist")
-    if os.path.isdir(folder) and not os.access(folder, os.W_OK):
-        raise InputError(f"--output {output}: folder {folder} is not writable")
+    check_output_file(output, "--output", create_folder=args.output is None)
 
 
 def format_table(table: list[dict], column: str = "accuracy") -> str:

@@ -30,11 +30,13 @@ import time
 
 import numpy as np
 
+from lookm_jax.checks import check_output_folder
 from lookm_jax.cli_args import add_method_arguments, method_from_args, path_arg
 from lookm_jax.errors import PARAM_DTYPES, InputError
 from lookm_jax.eval import harness, jsonl
 from lookm_jax.eval.jsonl import Field
 from lookm_jax.eval.milebench_scoring import QUESTION_TYPES, choice_letters, normalize, score
+from lookm_jax.inputs import open_image
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "T-1": ("ActionLocalization", "ActionPrediction", "ActionSequence"),
@@ -173,23 +175,12 @@ def load_dataset(root: str, name: str, adv: bool = False, limit: int | None = No
     checked = set()
     for s in samples:
         for image in set(s.images) - checked:
-            _check_image(image, f"{path} sample {s.sample_id}")
+            try:
+                open_image(image).close()
+            except InputError as err:
+                raise InputError(f"{path} sample {s.sample_id}: {err}") from None
             checked.add(image)
     return samples
-
-
-def _check_image(path: str, where: str) -> None:
-    """Refuse a missing file, or one that PIL cannot open as an image (its header; for PNG, its chunks
-    and checksums too), before anything runs."""
-    from PIL import Image
-
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{where}: image {path} not found")
-    try:
-        with Image.open(path) as picture:
-            picture.verify()
-    except Exception as err:  # PIL raises OSError, SyntaxError, struct.error, ... for a broken file
-        raise InputError(f"{where}: image {path} is not a readable image ({type(err).__name__}: {err})") from None
 
 
 # ---- prompts --------------------------------------------------------------------------------------
@@ -371,11 +362,7 @@ def cmd_milebench(args) -> int:
     harness.refuse_repeats("--datasets", args.datasets or ())
     names = args.datasets or find_datasets(args.root, args.adv)
     samples = [s for name in names for s in load_dataset(args.root, name, args.adv, args.limit)]
-    existing = os.path.abspath(args.output)
-    while not os.path.exists(existing):  # the nearest part of the path that exists must be a folder
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ValueError(f"--output {args.output}: {existing} is a file; give a folder for predictions and tables")
+    check_output_folder(args.output, "--output")
     read_predictions(os.path.join(args.output, PREDICTIONS))  # a bad record refuses before the model loads
     method = method_from_args(args)
     model = lookm_jax.load(args.model, args.dtype) if args.model else lookm_jax.load_default(args.dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+from lookm_jax.checks import check_output_folder
 from lookm_jax.cli_args import finite_float, int_at_least, path_arg, positive_float, seed_arg
 
 # Stage 0's defaults (tower.PretrainConfig's; a test checks they agree) and the most turns: literals, so that parsing the
@@ -95,8 +96,7 @@ def cmd_vision(args) -> int:
     from lookm_jax.train import vision
 
     config = train_config(args)
-    if os.path.exists(args.output) and not os.path.isdir(args.output):
-        raise ValueError(f"--output {args.output} is a file; give a run folder (new, or a run's to resume it)")
+    check_output_folder(args.output, "--output")  # a new run's folder, or a run's to resume it
     if args.stop_after == 0 and not os.path.isfile(os.path.join(args.output, vision.CHECKPOINT)):
         raise ValueError(f"--stop-after 0 exports the run's checkpoint, and {args.output} has none")
     start = None
