@@ -62,6 +62,8 @@ def cmd_generate(args) -> int:
         raise InputError("--text-only asks for no images; drop --image or --text-only")
     prompt = read_prompt(args)
     pictures = [open_image(path) for path in args.image or ()]
+    if pictures:
+        leading_images(prompt, len(pictures))  # too many <image> markers
     model = lookm_jax.load(args.model, args.dtype) if args.model else lookm_jax.load_default(args.dtype)
     _add_buckets(model, args.buckets)
     if not args.model:

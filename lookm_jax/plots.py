@@ -346,9 +346,11 @@ def cmd_attention(args) -> int:
     from lookm_jax.analysis import attention_received, modality_summary
 
     _check_output(args.output)
+    prompt = read_prompt(args)
+    if args.image:
+        leading_images(prompt, len(args.image))  # too many <image> markers
     model = lookm_jax.load(args.model) if args.model else lookm_jax.load_default()
     images = default_images(args, model)
-    prompt = read_prompt(args)
     pixel_values, tiles = model.preprocess_images(images) if images else (None, None)
     input_ids = model.encode_chat(prompt, num_images=leading_images(prompt, len(images)), image_tiles=tiles)
     received = attention_received(model, input_ids, pixel_values)  # [N, L]

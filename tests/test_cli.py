@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import lookm_jax
-from lookm_jax import cli, loading
+from lookm_jax import cli, cli_args, loading
 from lookm_jax.convert import store
 from lookm_jax.errors import InputError
 
@@ -52,6 +52,13 @@ def _fails(capsys, argv, *needles):
 def test_unreadable_image(cli_demo, capsys):
     (cli_demo / "fake.png").write_text("a text file")
     _fails(capsys, ["generate", "--image", "fake.png"], "fake.png is not a readable image")
+
+
+@pytest.mark.parametrize("command", [["generate"], ["plot", "attention", "--output", "a.png"]])
+def test_too_many_image_markers_are_refused_before_the_model_loads(cli_demo, capsys, monkeypatch, command):
+    monkeypatch.setattr(lookm_jax, "load_default", lambda dtype=None: pytest.fail("the model was loaded"))
+    _fails(capsys, [*command, "--image", cli_args.DEFAULT_IMAGES[0], "--prompt", "<image> and <image>?"],
+           "the prompt has 2 <image> markers but 1 image(s) were given")
 
 
 @pytest.mark.parametrize("argv,needles", [
