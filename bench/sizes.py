@@ -4,7 +4,7 @@
 
 Each real checkpoint's config.json (written out below from the published configs) is parsed by
 `lookm_jax.convert.hf.parse_config`, as `lookm_jax.load` would. Parameters: the shapes the
-converter checks a checkpoint against (convert/tables.py, convert/original_llava.py), counted.
+converter checks a checkpoint against (its dry run, `params_from_hf` on `tables.ShapesOnly()`), counted.
 Cache: `jax.eval_shape` of the compiled prefill (`lookm_jax.generate.prefill`) on those parameter
 shapes (in the runtime layout, `llama.runtime_params`), with one image in a prompt of --prompt
 tokens (its bucket) and --new-tokens to generate:
@@ -23,11 +23,8 @@ import jax.numpy as jnp
 
 from lookm_jax import generate as gen, get_method
 from lookm_jax.convert import original_llava, tables
-from lookm_jax.convert.hf import parse_config
+from lookm_jax.convert.hf import params_from_hf, parse_config
 from lookm_jax.models import llama
-from lookm_jax.models.config import LlavaConfig
-from lookm_jax.models.internvit import InternViTLlavaConfig
-from lookm_jax.models.mobilevlm import MobileVLMConfig
 
 CLIP_L_336 = "openai/clip-vit-large-patch14-336"
 CONFIGS = {
@@ -69,42 +66,12 @@ CONFIGS = {
 GIB = 2**30
 
 
-def vision_shapes(cfg) -> dict[str, dict[str, tuple[int, ...]]]:
-    """{"vision": shapes, "projector": shapes} of a multimodal config, as the converter checks them."""
-    hidden = cfg.text.hidden_size
-    if isinstance(cfg, LlavaConfig):
-        return {"vision": tables.clip_shapes(cfg.vision), "projector": tables.projector_shapes(cfg)}
-    if isinstance(cfg, MobileVLMConfig):  # LDPv2: the MLP, then the depthwise 3x3 PEG (models/mobilevlm.py)
-        return {"vision": tables.clip_shapes(cfg.vision),
-                "projector": {**original_llava._mlp_shapes(cfg.vision.hidden_size, hidden),
-                              "peg_w": (3, 3, hidden), "peg_b": (hidden,)}}
-    if isinstance(cfg, InternViTLlavaConfig):
-        v = cfg.vision
-        absent = (() if v.qkv_bias else ("layers.bqkv",)) + (() if v.qk_normalization else
-                                                              ("layers.q_norm", "layers.k_norm"))
-        shapes = {k: s for k, s in original_llava.internvit_shapes(v).items() if k not in absent}
-        return {"vision": shapes, "projector": original_llava._mlp_shapes(v.hidden_size, hidden)}
-    raise TypeError(f"no parameter shapes for {type(cfg).__name__}")
-
-
-def param_shapes(cfg) -> dict[str, dict[str, tuple[int, ...]]]:
-    text = tables.llama_shapes(cfg.text)
-    if cfg.text.tie_word_embeddings:
-        text.pop("lm_head")
-    return {"text": text, **vision_shapes(cfg)}
-
-
-def abstract_params(shapes: dict[str, dict[str, tuple[int, ...]]], dtype) -> dict:
-    """Nested params of ShapeDtypeStructs ("layers.wq" -> {"layers": {"wq": ...}})."""
-    params: dict = {}
-    for part, flat in shapes.items():
-        for path, shape in flat.items():
-            node = params.setdefault(part, {})
-            *parents, leaf = path.split(".")
-            for key in parents:
-                node = node.setdefault(key, {})
-            node[leaf] = jax.ShapeDtypeStruct(shape, dtype)
-    return params
+def abstract_params(cfg, dtype) -> dict:
+    """The params a checkpoint of `cfg` converts to, as ShapeDtypeStructs: the converter's dry run
+    (`params_from_hf` given `tables.ShapesOnly()`), the first shape where it accepts several."""
+    shapes = params_from_hf(cfg, tables.ShapesOnly())
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(tables.accepted_shapes(s)[0], dtype), shapes,
+                        is_leaf=lambda x: isinstance(x, (tuple, list)))
 
 
 def decode_cache(cfg, params: dict, prompt: int, new_tokens: int, method, dtype):
@@ -139,9 +106,8 @@ def main() -> None:
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for name, hf_config in CONFIGS.items():
         cfg = parse_config(hf_config)
-        shapes = param_shapes(cfg)
-        counts = {part: sum(math.prod(s) for s in flat.values()) for part, flat in shapes.items()}
-        params = abstract_params(shapes, dtype)
+        params = abstract_params(cfg, dtype)
+        counts = {part: sum(math.prod(s.shape) for s in jax.tree.leaves(tree)) for part, tree in params.items()}
         params["text"] = jax.eval_shape(functools.partial(llama.runtime_params, cfg.text), params["text"])  # the layout prefill reads
         caches = [decode_cache(cfg, params, args.prompt, args.new_tokens, method, dtype) for _, method in methods]
         full = nbytes(*caches[0].layer_keys, *caches[0].layer_values)
