@@ -2,6 +2,7 @@
 
     python bench/oracle_tokens.py [--steps 300] [--eval-every 50] [--save PATH.npz] [--json PATH]
     python bench/oracle_tokens.py --init PATH.npz --first-sample 4800 --learning-rate 3e-4 ...   # continue
+    python bench/oracle_tokens.py --adapter-rank 16 --adapter-mlp-rank 64 ...   # + image-position adapters
 
 An oracle stands in for tower + projector: each patch's labels (`tower.patch_labels`: colour or
 background, and on an object its shape, side and half; everywhere the object count), one-hot, plus
@@ -13,11 +14,17 @@ first-answer-token accuracy on the 120 selection questions (held-out split, seed
 (seed 0) and the 24 held-out combinations; for the shipped weights this measure equals their greedy
 accuracy. No tower behind this projector and decoder can carry more than these labels do, so the
 oracle's curve bounds what the trained vision side can reach with the same steps.
+
+--adapter-rank R asks what capacity beside the frozen decoder buys: every decoder layer gets
+weights that act at image positions only (text positions run the frozen decoder unchanged), a
+rank-R update of its q/k/v projection and a parallel SiLU MLP of width --adapter-mlp-rank added to
+its output, trained with the oracle (zero-initialised, so step 1 is the plain decoder's).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -36,8 +43,12 @@ def main() -> None:
     parser.add_argument("--init", metavar="NPZ", help="start from an oracle saved by --save")
     parser.add_argument("--first-sample", type=at_least(0), default=0,
                         help="training scene of step 1 (a continuation passes the steps x 16 already seen)")
-    parser.add_argument("--save", metavar="NPZ", help="write the oracle's parameters here at every evaluation")
+    parser.add_argument("--save", metavar="NPZ", help="write the oracle's parameters (and adapters) here at every evaluation")
     parser.add_argument("--json", metavar="PATH", type=json_path, help="also write the curves to PATH")
+    parser.add_argument("--adapter-rank", type=at_least(0), default=0,
+                        help="rank of the image-position q/k/v update in every decoder layer (0: none)")
+    parser.add_argument("--adapter-mlp-rank", type=at_least(1), default=64,
+                        help="width of the image-position MLP beside every decoder layer (with --adapter-rank)")
     args = parser.parse_args()
 
     import jax
@@ -49,6 +60,7 @@ def main() -> None:
     from lookm_jax import loading, scenes
     from lookm_jax.eval import scenes as scene_eval
     from lookm_jax.models import llama, llava
+    from lookm_jax.models.layers import rms_norm
     from lookm_jax.train import tower, vision
     from lookm_jax.train.data import Encoder, single_picture_conversation
 
@@ -75,8 +87,31 @@ def main() -> None:
         tokens = jax.nn.gelu(batch["labels"] @ oracle["a"] + oracle["pos"], approximate=False) @ oracle["b"] + oracle["c"]
         return llava.place_features(x, is_image, tokens), is_image
 
+    def adapted_forward(adapter, text, x, valid, is_image):  # llama.forward + the image-position weights
+        t = cfg.text
+        cos, sin = llama.rope_tables(t, jnp.broadcast_to(jnp.arange(x.shape[1]), valid.shape), x.dtype)
+        branches = [lambda lp=lp: lp for lp in text["layers"]]
+        at_image = is_image[:, None, :, None].astype(x.dtype)  # [B, 1, L, 1]
+
+        def layer(h, inputs):  # h [B, L, H]
+            index, a = inputs
+            lp = jax.lax.switch(index, branches)
+            q, k, v = llama.project_qkv(t, lp, h, cos, sin)
+            update = {**lp, "w_qkv": (a["qkv_a"] @ a["qkv_b"]).T.reshape(lp["w_qkv"].shape)}  # rank R
+            dq, dk, dv = llama.project_qkv(t, update, h, cos, sin)  # RoPE is linear: rope(q + dq) = q + rope(dq)
+            attn, _ = llama.causal_attention(q + at_image * dq, k + at_image * dk, v + at_image * dv, valid)
+            h = llama.finish_layer(t, lp, h, attn)
+            mlp = jax.nn.silu(rms_norm(h, lp["mlp_norm"], t.rms_norm_eps) @ a["mlp_a"]) @ a["mlp_b"]
+            return h + at_image[:, 0] * mlp, None
+
+        h, _ = jax.lax.scan(layer, x, (jnp.arange(len(branches)), adapter))
+        return llama.final_hidden(t, text, h)
+
     def metrics(oracle, text, batch):  # the decoder's weights are an argument: closed over, XLA would fold them
-        return vision.embedded_answer_metrics(cfg.text, text, *embedded(oracle, text, batch), batch)
+        x, is_image = embedded(oracle, text, batch)
+        forward = (functools.partial(adapted_forward, oracle["adapter"], text, is_image=is_image)
+                   if "adapter" in oracle else None)
+        return vision.embedded_answer_metrics(cfg.text, text, x, is_image, batch, forward)
 
     config = vision.TrainConfig(steps=args.steps, learning_rate=args.learning_rate, warmup_steps=args.warmup_steps)
     tx = vision.optimizer(config)
@@ -96,7 +131,18 @@ def main() -> None:
               "pos": jax.random.normal(keys[1], (cfg.image_seq_length, hidden)) * 0.02,
               "b": jax.random.normal(keys[2], (hidden, hidden)) / np.sqrt(hidden), "c": jnp.zeros(hidden)}
     if args.init:
-        oracle = {k: jnp.asarray(v) for k, v in np.load(args.init).items()}
+        loaded = {k: jnp.asarray(v) for k, v in np.load(args.init).items()}
+        oracle = {k: v for k, v in loaded.items() if not k.startswith("adapter.")}
+        if len(oracle) < len(loaded):
+            oracle["adapter"] = {k.removeprefix("adapter."): v for k, v in loaded.items() if k.startswith("adapter.")}
+    if args.adapter_rank and "adapter" not in oracle:
+        n_layers, qkv_out = len(text["layers"]), int(np.prod(text["layers"][0]["w_qkv"].shape[:3]))
+        keys = jax.random.split(jax.random.PRNGKey(1), 2)
+        oracle["adapter"] = {  # stacked over the layers; the b's zero, so step 1 runs the plain decoder
+            "qkv_a": jax.random.normal(keys[0], (n_layers, hidden, args.adapter_rank)) / np.sqrt(hidden),
+            "qkv_b": jnp.zeros((n_layers, args.adapter_rank, qkv_out)),
+            "mlp_a": jax.random.normal(keys[1], (n_layers, hidden, args.adapter_mlp_rank)) / np.sqrt(hidden),
+            "mlp_b": jnp.zeros((n_layers, args.adapter_mlp_rank, hidden))}
     opt_state = tx.init(oracle)
     held_out = {name: scene_eval.held_out_questions(split, n, seed) for name, split, n, seed in EVALUATIONS}
     evaluate = jax.jit(lambda o, t, b: metrics(o, t, b)[1]["accuracy"])
@@ -126,7 +172,9 @@ def main() -> None:
             curve.append(point)
             bar.write(json.dumps(point))
             if args.save:
-                np.savez(args.save, **jax.device_get(oracle))
+                saved = jax.device_get(oracle)
+                np.savez(args.save, **{k: v for k, v in saved.items() if k != "adapter"},
+                         **{f"adapter.{k}": v for k, v in saved.get("adapter", {}).items()})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "curve": curve}, f, indent=1)

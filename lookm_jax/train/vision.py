@@ -16,6 +16,7 @@ each step adds it on a batch of labelled scenes, through a linear head that is t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -120,12 +121,14 @@ def answer_metrics(cfg, trainable: dict, text_params: dict, batch: dict) -> tupl
 
 
 def embedded_answer_metrics(text_cfg, text_params: dict, x: jax.Array, is_image: jax.Array,
-                            batch: dict) -> tuple[jax.Array, dict]:
-    """`answer_metrics` of prompts already embedded: x [B, L, H] with the image tokens in place."""
+                            batch: dict, forward: Callable | None = None) -> tuple[jax.Array, dict]:
+    """`answer_metrics` of prompts already embedded: x [B, L, H] with the image tokens in place.
+    `forward(x, valid) -> final-normed h` replaces the frozen decoder's pass when given (a probe's
+    decoder with extra weights, bench/oracle_tokens.py)."""
     text_norm = jnp.linalg.norm(text_params["embed"].astype(jnp.float32), axis=-1).mean()
     log_ratio = jnp.log(jnp.linalg.norm(x.astype(jnp.float32), axis=-1) / text_norm)  # [B, L]
     image_norm = jnp.where(is_image, log_ratio**2, 0.0).sum() / jnp.maximum(is_image.sum(), 1)
-    h = llama.forward(text_cfg, text_params, x, batch["valid"])  # [B, L, H]
+    h = (forward or functools.partial(llama.forward, text_cfg, text_params))(x, batch["valid"])  # [B, L, H]
     h = jnp.take_along_axis(h, batch["target_positions"][..., None], axis=1)  # [B, A, H]
     logits = llama.lm_logits(text_params, h)  # [B, A, V] fp32: the head runs on answer slots only
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][..., None], axis=-1)[..., 0]
