@@ -24,11 +24,10 @@ import jax.numpy as jnp
 
 from lookm_jax import generate as gen, get_method
 from lookm_jax.convert.hf import parse_config
-from lookm_jax.convert.tables import llama_shapes
 from lookm_jax.models import llama, llava
 from lookm_jax.models.config import LlamaConfig, RopeConfig
 from bench_args import at_least, json_path
-from sizes import CONFIGS, abstract_params, param_shapes
+from sizes import CONFIGS, abstract_params
 
 SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                       num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope=RopeConfig(theta=100000.0),
@@ -40,12 +39,10 @@ GIB = 2**30
 def model_shapes(name: str):
     """(config, abstract params in the runtime layout, dtype, image count) of a named model."""
     if name == "SmolLM2-135M":
-        shapes = {"text": {k: v for k, v in llama_shapes(SMOLLM2).items() if k != "lm_head"}}
         cfg, dtype, images = SMOLLM2, jnp.float32, 0
     else:
-        cfg = parse_config(CONFIGS[name])
-        shapes, dtype, images = param_shapes(cfg), jnp.bfloat16, 1
-    params = abstract_params(shapes, dtype)
+        cfg, dtype, images = parse_config(CONFIGS[name]), jnp.bfloat16, 1
+    params = abstract_params(cfg, dtype)
     runtime = functools.partial(llama.runtime_params, llava.text_config(cfg))
     return cfg, {**params, "text": jax.eval_shape(runtime, params["text"])}, dtype, images
 

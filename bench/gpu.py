@@ -31,7 +31,7 @@ from lookm_jax import LONG_BUCKETS, Model, get_method
 from lookm_jax.convert.hf import parse_config
 from lookm_jax.models import llama
 from lookm_jax.models.config import CLIPVisionConfig, LlamaConfig, LlavaConfig, RopeConfig
-from sizes import CONFIGS, abstract_params, param_shapes
+from sizes import CONFIGS, abstract_params
 
 PAPER_3090_MS = {"full": 28.16, "LOOK-M 20%": 20.98, "LOOK-M 5%": 18.22}  # LOOK-M paper, LLaVA-1.5-7B decode
 CACHES = {"full": get_method("full"), "LOOK-M 20%": get_method("lookm", budget=0.2),
@@ -51,7 +51,7 @@ def random_params(cfg: LlavaConfig, dtype, seed: int = 0) -> dict:
     """Random params of cfg's shapes, made on the device: matrices ~N(0, 1/fan_in), norms 1, the rest 0.
 
     The decoder is built directly in the runtime layout (`llama.runtime_params`, weights [out, in])."""
-    abstract = abstract_params(param_shapes(cfg), dtype)
+    abstract = abstract_params(cfg, dtype)
     abstract["text"] = jax.eval_shape(functools.partial(llama.runtime_params, cfg.text), abstract["text"])
     leaves, tree = jax.tree_util.tree_flatten_with_path(abstract)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
