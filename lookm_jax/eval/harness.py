@@ -261,7 +261,7 @@ def refuse_repeats(flag: str, values: Sequence) -> None:
 def check_run_arguments(args, jsonl: str, output: str) -> None:
     """Refuse (InputError; FileNotFoundError for a missing file or folder) what `lookm eval needle`
     and `lookm eval scenes` cannot run with, before anything runs. A given --output's folder must
-    exist (the default's is made), and neither may be unwritable."""
+    exist (the default's is made under its nearest existing folder); either must be writable."""
     if args.max_decode_rows < 1:
         raise InputError(f"--max-decode-rows must be >= 1, got {args.max_decode_rows}")
     if args.mode == "calibrate" and (args.methods or args.budgets is not None):
