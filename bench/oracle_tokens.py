@@ -17,13 +17,15 @@ oracle's curve bounds what the trained vision side can reach with the same steps
 
 --adapter-rank R asks what capacity beside the frozen decoder buys: every decoder layer gets
 weights that act at image positions only (text positions run the frozen decoder unchanged), a
-rank-R update of its q/k/v projection and a parallel SiLU MLP of width --adapter-mlp-rank added to
-its output, trained with the oracle (zero-initialised, so step 1 is the plain decoder's).
+rank-R update of its q/k/v projection and a SiLU MLP of width --adapter-mlp-rank on the layer's
+output, added to it (after the layer's own MLP), trained with the oracle (zero-initialised, so step
+1 is the plain decoder's). --init restores saved adapters; their ranks are then the saved ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import time
@@ -48,7 +50,7 @@ def main() -> None:
     parser.add_argument("--adapter-rank", type=at_least(0), default=0,
                         help="rank of the image-position q/k/v update in every decoder layer (0: none)")
     parser.add_argument("--adapter-mlp-rank", type=at_least(1), default=64,
-                        help="width of the image-position MLP beside every decoder layer (with --adapter-rank)")
+                        help="width of the image-position MLP after every decoder layer's (with --adapter-rank)")
     args = parser.parse_args()
 
     import jax
@@ -89,6 +91,7 @@ def main() -> None:
 
     def adapted_forward(adapter, text, x, valid, is_image):  # llama.forward + the image-position weights
         t = cfg.text
+        no_bias = dataclasses.replace(t, qkv_bias=False)
         cos, sin = llama.rope_tables(t, jnp.broadcast_to(jnp.arange(x.shape[1]), valid.shape), x.dtype)
         branches = [lambda lp=lp: lp for lp in text["layers"]]
         at_image = is_image[:, None, :, None].astype(x.dtype)  # [B, 1, L, 1]
@@ -97,8 +100,9 @@ def main() -> None:
             index, a = inputs
             lp = jax.lax.switch(index, branches)
             q, k, v = llama.project_qkv(t, lp, h, cos, sin)
-            update = {**lp, "w_qkv": (a["qkv_a"] @ a["qkv_b"]).T.reshape(lp["w_qkv"].shape)}  # rank R
-            dq, dk, dv = llama.project_qkv(t, update, h, cos, sin)  # RoPE is linear: rope(q + dq) = q + rope(dq)
+            update = {"attn_norm": lp["attn_norm"],  # rank R, on the same normed input, without the layer's bias
+                      "w_qkv": (a["qkv_a"] @ a["qkv_b"]).T.reshape(lp["w_qkv"].shape)}
+            dq, dk, dv = llama.project_qkv(no_bias, update, h, cos, sin)  # RoPE is linear: rope(q + dq) = q + rope(dq)
             attn, _ = llama.causal_attention(q + at_image * dq, k + at_image * dk, v + at_image * dv, valid)
             h = llama.finish_layer(t, lp, h, attn)
             mlp = jax.nn.silu(rms_norm(h, lp["mlp_norm"], t.rms_norm_eps) @ a["mlp_a"]) @ a["mlp_b"]
@@ -135,6 +139,10 @@ def main() -> None:
         oracle = {k: v for k, v in loaded.items() if not k.startswith("adapter.")}
         if len(oracle) < len(loaded):
             oracle["adapter"] = {k.removeprefix("adapter."): v for k, v in loaded.items() if k.startswith("adapter.")}
+            ranks = (oracle["adapter"]["qkv_a"].shape[-1], oracle["adapter"]["mlp_a"].shape[-1])
+            if args.adapter_rank and (args.adapter_rank, args.adapter_mlp_rank) != ranks:
+                parser.error(f"--init {args.init} holds adapters of ranks {ranks}, not "
+                             f"({args.adapter_rank}, {args.adapter_mlp_rank})")
     if args.adapter_rank and "adapter" not in oracle:
         n_layers, qkv_out = len(text["layers"]), int(np.prod(text["layers"][0]["w_qkv"].shape[:3]))
         keys = jax.random.split(jax.random.PRNGKey(1), 2)

@@ -1,5 +1,5 @@
-"""Predicates for the input checks of the API and the CLI, in one place so every check agrees on
-what a number is (a bool is never one) and on what an output path must be."""
+"""The pieces of the API's and the CLI's input checks, in one place so every check agrees on what
+a number is (a bool is never one) and on what an output path must be."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def check_output_folder(path: str, name: str) -> None:
     existing = nearest_existing(path)
     where = "" if existing == os.path.abspath(path) else f": {existing}"
     if not os.path.isdir(existing):
-        raise InputError(f"{name} {path}{where} is a file; give a folder")
+        raise InputError(f"{name} {path}{where} is a file, not a folder")
     if not can_create_in(existing):
         raise InputError(f"{name} {path}: cannot write into {existing}")
 
@@ -71,10 +71,10 @@ def check_output_file(path: str, name: str, create_folder: bool = False) -> None
     if os.path.isdir(path):
         raise InputError(f"{name} {path} is a folder; give a file path")
     folder = os.path.dirname(os.path.abspath(path))
-    if not create_folder and not os.path.isdir(folder):
-        raise FileNotFoundError(f"{name} {path}: folder {folder} does not exist")
     existing = nearest_existing(folder)
     if not os.path.isdir(existing):
         raise InputError(f"{name} {path}: {existing} is a file, not a folder")
+    if not create_folder and existing != folder:
+        raise FileNotFoundError(f"{name} {path}: folder {folder} does not exist")
     if not can_create_in(existing):
         raise InputError(f"{name} {path}: cannot write into {existing}")

@@ -89,9 +89,9 @@ def read_sweep(path: str) -> list[dict]:
 
 
 def _check_output(path: str) -> None:
-    check_output_file(path, "--output")
     if not path.lower().endswith(".png"):
         raise InputError(f"--output must be a .png file, got {path}")
+    check_output_file(path, "--output")
 
 
 def _save_png(fig, path: str) -> None:
@@ -158,8 +158,8 @@ def cmd_sweep(args) -> int:
     matplotlib.use("Agg")
     output = args.output or os.path.splitext(args.results)[0] + ("" if args.metric == "accuracy" else
                                                                  f"_{args.metric}") + ".png"
+    rows = read_sweep(args.results)  # first: a missing CSV is named as such, not by its default output
     _check_output(output)
-    rows = read_sweep(args.results)
     _save_png(draw_sweep(rows, args.metric), output)
     print(f"wrote {output}: {args.metric} vs budget, {len({r['label'] for r in rows})} configurations, "
           f"lengths {', '.join(str(n) for n in sorted({r['length'] for r in rows}))}")
@@ -252,8 +252,8 @@ def cmd_training(args) -> int:
 
     matplotlib.use("Agg")
     output = args.output or os.path.splitext(args.log)[0] + ".png"
+    rows = read_training_log(args.log)  # first: a missing log is named as such, not by its default output
     _check_output(output)
-    rows = read_training_log(args.log)
     evaluated = [r for r in rows if "heldout_accuracy" in r]
     last = f"; last held-out {evaluated[-1]['heldout_accuracy']:.2f} at step {evaluated[-1]['step']}" if evaluated else ""
     _save_png(draw_training(rows, args.title or os.path.basename(args.log)), output)

@@ -241,9 +241,9 @@ def test_api_arguments_of_the_wrong_kind_are_refused(tiny, prompt):
 
 def test_output_paths_are_checked_before_anything_is_written(tmp_path):
     (tmp_path / "file").write_text("x")
-    with pytest.raises(InputError, match=r"^--out \S*file/sub: \S*file is a file; give a folder$"):
+    with pytest.raises(InputError, match=r"^--out \S*file/sub: \S*file is a file, not a folder$"):
         checks.check_output_folder(str(tmp_path / "file" / "sub"), "--out")
-    with pytest.raises(InputError, match=r"^--out \S*file is a file; give a folder$"):
+    with pytest.raises(InputError, match=r"^--out \S*file is a file, not a folder$"):
         checks.check_output_folder(str(tmp_path / "file"), "--out")
     with pytest.raises(InputError, match=r"^--out /proc/run: cannot write into /proc$"):
         checks.check_output_folder("/proc/run", "--out")
@@ -252,8 +252,9 @@ def test_output_paths_are_checked_before_anything_is_written(tmp_path):
         checks.check_output_file(str(tmp_path), "--out")
     with pytest.raises(FileNotFoundError, match=r"^--out \S*new/t.csv: folder \S*new does not exist$"):
         checks.check_output_file(str(tmp_path / "new" / "t.csv"), "--out")
-    with pytest.raises(InputError, match=r"^--out \S*file/t.csv: \S*file is a file, not a folder$"):
-        checks.check_output_file(str(tmp_path / "file" / "t.csv"), "--out", create_folder=True)
+    for create_folder in (False, True):
+        with pytest.raises(InputError, match=r"^--out \S*file/t.csv: \S*file is a file, not a folder$"):
+            checks.check_output_file(str(tmp_path / "file" / "t.csv"), "--out", create_folder=create_folder)
     with pytest.raises(InputError, match=r"^--out /proc/t.csv: cannot write into /proc$"):
         checks.check_output_file("/proc/t.csv", "--out")
     checks.check_output_file(str(tmp_path / "new" / "t.csv"), "--out", create_folder=True)

@@ -397,4 +397,4 @@ def test_a_bad_record_refuses_the_rerun_and_repeated_datasets_are_refused(tiny_f
     assert not (tmp_path / "new").exists()
     (tmp_path / "fake.png").write_text("x")  # an --output below a file: refused before anything runs
     assert main(["eval", "milebench", FIXTURE, "--output", str(tmp_path / "fake.png" / "sub")]) == 2
-    assert "fake.png is a file; give a folder" in capsys.readouterr().err
+    assert "fake.png is a file, not a folder" in capsys.readouterr().err

@@ -293,7 +293,7 @@ def test_train_command_refuses_bad_arguments_before_writing(tmp_path, capsys):
         assert message in capsys.readouterr().err
     (tmp_path / "file").write_text("x")
     assert cli.main(["train", "vision", "--output", str(tmp_path / "file")]) == 2
-    assert "--output " + str(tmp_path / "file") + " is a file; give a folder" in capsys.readouterr().err
+    assert "--output " + str(tmp_path / "file") + " is a file, not a folder" in capsys.readouterr().err
     assert cli.main(["train", "vision", "--output", str(out), "--init", str(tmp_path)]) == 2
     assert "is a folder; give the demo_vision.safetensors" in capsys.readouterr().err
     (tmp_path / "text.safetensors").write_text("not weights")

@@ -360,9 +360,9 @@ def cmd_milebench(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     harness.refuse_repeats("--datasets", args.datasets or ())
+    check_output_folder(args.output, "--output")
     names = args.datasets or find_datasets(args.root, args.adv)
     samples = [s for name in names for s in load_dataset(args.root, name, args.adv, args.limit)]
-    check_output_folder(args.output, "--output")
     read_predictions(os.path.join(args.output, PREDICTIONS))  # a bad record refuses before the model loads
     method = method_from_args(args)
     model = lookm_jax.load(args.model, args.dtype) if args.model else lookm_jax.load_default(args.dtype)
