@@ -11,8 +11,8 @@ interleaved across configurations; compile time is reported apart):
     the bound bytes / bandwidth with the memory read bandwidth measured in the same run, and how
     close each measured step comes to its bound; and, since XLA:CPU's batch-1 dots and cache
     attention do not stream at that bandwidth, the kernel bound: every weight dot alone plus
-    every layer's cache attention alone over that cache (`decode_cpu.weight_dots_time`,
-    `decode_cpu.cache_attention_time`, timed in the same run), and each step's share of it;
+    every layer's cache attention alone over that cache (`decode_cpu.KernelTimes`, timed in every
+    round, after the configurations' runs), and each step's share of it;
   * prefill + compression time over plain prefill (full cache), also with the scores recomputed
     by the standalone scorer (``scoring.column_stats``) instead of taken from the prefill's own
     attention: the path before the two were fused;
@@ -37,7 +37,7 @@ import time
 import numpy as np
 
 from bench_args import at_least, json_path
-from decode_cpu import WORDS, cache_attention_time, peak_rss_mib, read_bandwidth_gbs, weight_dots_time
+from decode_cpu import WORDS, KernelTimes, peak_rss_mib, read_bandwidth_gbs
 
 IMAGE_FRACTION = 0.8
 MIB = 2**20
@@ -120,21 +120,25 @@ def rss_child(length: int, new_tokens: int) -> dict:
 
 
 def time_configs(model, ids, pixels, configs: dict, new_tokens: int, repeats: int) -> dict:
-    """Compile, then `repeats` interleaved rounds of every config; best prefill and decode times."""
+    """Compile, then `repeats` rounds of every config and of the kernels that bound its decode
+    (`KernelTimes`); best prefill, decode and kernel times."""
     out = {}
     for name, method in configs.items():
         r = model.run(ids, pixels, max_new_tokens=new_tokens, method=method)
         out[name] = {"compile_s": r.compile_seconds, "prefill_s": [], "decode_ms": [], "cache_bytes": r.cache_bytes,
                      "kept": float(r.kept_image_tokens[0] + r.kept_text_tokens[0]),
                      "kept_text": float(r.kept_text_tokens[0])}
+    kernels = KernelTimes(model, [row["cache_bytes"] for row in out.values()])
     for _ in range(repeats):
         for name, method in configs.items():
             r = model.run(ids, pixels, max_new_tokens=new_tokens, method=method)
             assert int(r.lengths[0]) == new_tokens
             out[name]["prefill_s"].append(r.prefill_seconds)
             out[name]["decode_ms"].append(r.decode_ms_per_token)
+        kernels.measure()
     for row in out.values():
         row["prefill_s"], row["decode_ms"] = min(row["prefill_s"]), min(row["decode_ms"])
+        row["kernels"] = kernels.figures(row["cache_bytes"])
     return out
 
 
@@ -170,9 +174,7 @@ def main() -> None:
                "LOOK-M 20%, scores recomputed": recomputed_scores(lookm20)}
     timed = time_configs(model, ids, pixels, configs, args.new_tokens, args.repeats)
     bandwidth = read_bandwidth_gbs()
-    dots_ms = weight_dots_time(model)["dots_ms"]
-    for row in timed.values():
-        row["kernels"] = {"dots_ms": dots_ms, **cache_attention_time(model, row["cache_bytes"])}
+    dots_ms = timed["full"]["kernels"]["dots_ms"]
     load_end = os.getloadavg()
 
     n_image = int((ids == model.config.image_token_id).sum())
