@@ -7,6 +7,7 @@ import argparse
 import os
 
 from lookm_jax.cli_args import int_at_least
+from lookm_jax.errors import InputError
 
 
 at_least = int_at_least  # the type of an int option that must be >= its minimum, as the `lookm` commands parse it
@@ -18,3 +19,16 @@ def json_path(text: str) -> str:
     if not text.strip() or not os.path.isdir(folder) or os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"must be a file in an existing folder, got {text!r}")
     return text
+
+
+def kept_fraction(text: str) -> float:
+    """A LOOK-M budget: a kept fraction in (0, 1], refused as `get_method` refuses it."""
+    from lookm_jax.methods import get_method
+
+    try:
+        value = float(text)
+        get_method("lookm", budget=value)
+    except (ValueError, InputError) as error:
+        raise argparse.ArgumentTypeError(str(error) if isinstance(error, InputError) else
+                                         f"must be a fraction in (0, 1], got {text!r}") from None
+    return value

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from bench_args import json_path
+from bench_args import at_least, json_path, kept_fraction
 
 COLUMNS = ("evicted_image", "text_slots", "absorbed_text", "absorbed_image", "absorbed_max", "image_into_text",
            "image_into_recent_text", "cosine_image_text", "cosine_image_image")
@@ -23,11 +23,15 @@ COLUMNS = ("evicted_image", "text_slots", "absorbed_text", "absorbed_image", "ab
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pictures", type=int, default=8, help="pictures per prompt")
-    parser.add_argument("--samples", type=int, default=8, help="prompts per task")
-    parser.add_argument("--budgets", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.5], help="kept fractions")
+    parser.add_argument("--pictures", type=at_least(1), default=8, help="pictures per prompt")
+    parser.add_argument("--samples", type=at_least(1), default=8, help="prompts per task")
+    parser.add_argument("--budgets", type=kept_fraction, nargs="+", default=[0.05, 0.1, 0.2, 0.5], help="kept fractions")
     parser.add_argument("--json", metavar="PATH", type=json_path, help="also write every figure to PATH")
     args = parser.parse_args()
+    from lookm_jax import scenes
+
+    if not 2 <= args.pictures < len(scenes.NUMBERS):
+        parser.error(f"--pictures must be in [2, {len(scenes.NUMBERS) - 1}], got {args.pictures}")
 
     import lookm_jax
     from lookm_jax import analysis, get_method

@@ -31,6 +31,7 @@ import json
 import time
 
 from bench_args import at_least, json_path
+from lookm_jax.cli_args import positive_float
 
 EVALUATIONS = (("selection", "heldout", 120, 1), ("bar", "heldout", 60, 0), ("combination", "combination", 24, 0))
 BATCH, LENGTH, TARGETS, DATA_SEED = 16, 128, 4, 7  # `single_picture_spec(16, turns=1)`'s static shapes
@@ -39,7 +40,7 @@ BATCH, LENGTH, TARGETS, DATA_SEED = 16, 128, 4, 7  # `single_picture_spec(16, tu
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=at_least(1), default=300, help="training steps (the cosine's length)")
-    parser.add_argument("--learning-rate", type=float, default=1e-3, help="peak AdamW learning rate")
+    parser.add_argument("--learning-rate", type=positive_float, default=1e-3, help="peak AdamW learning rate")
     parser.add_argument("--warmup-steps", type=at_least(0), default=20)
     parser.add_argument("--eval-every", type=at_least(1), default=50)
     parser.add_argument("--init", metavar="NPZ", help="start from an oracle saved by --save")

@@ -33,6 +33,9 @@ import time
 
 import numpy as np
 
+from bench_args import at_least
+from lookm_jax.cli_args import seed_arg
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 VENV = os.path.join(HERE, ".venv-kvpress")
 VENV_PYTHON = os.path.join(VENV, "bin", "python")
@@ -175,12 +178,12 @@ def print_table(cells: dict[tuple, Cell], budgets, methods) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--length", type=int, default=2048, help="prompt tokens (chat template included)")
-    parser.add_argument("--samples", type=int, default=12)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--length", type=at_least(64), default=2048, help="prompt tokens (chat template included)")
+    parser.add_argument("--samples", type=at_least(1), default=12)
+    parser.add_argument("--seed", type=seed_arg, default=0)
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.2])
     parser.add_argument("--methods", nargs="+", choices=PEER_METHODS, default=list(PEER_METHODS))
-    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=16)
     parser.add_argument("--all-threads", action="store_true",
                         help="let each side use every core (default: one thread each, XLA intra-op and torch, so "
                              "that on a shared, busy machine neither stalls in multi-threaded kernels)")

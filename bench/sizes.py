@@ -21,6 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from bench_args import at_least, kept_fraction
 from lookm_jax import generate as gen, get_method
 from lookm_jax.convert import original_llava, tables
 from lookm_jax.convert.hf import params_from_hf, parse_config
@@ -91,10 +92,14 @@ def nbytes(*structs) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompt", type=int, default=4096, help="prompt tokens (a bucket length)")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--budgets", type=float, nargs="+", default=[0.2, 0.05])
+    parser.add_argument("--prompt", type=at_least(1), default=4096, help="prompt tokens (a bucket length)")
+    parser.add_argument("--new-tokens", type=at_least(1), default=64)
+    parser.add_argument("--budgets", type=kept_fraction, nargs="+", default=[0.2, 0.05])
     args = parser.parse_args()
+    configs = {name: parse_config(hf_config) for name, hf_config in CONFIGS.items()}
+    name, image = max(((name, cfg.image_seq_length) for name, cfg in configs.items()), key=lambda c: c[1])
+    if args.prompt <= image:
+        parser.error(f"--prompt must be more than {image} tokens ({name}'s one image), got {args.prompt}")
     dtype = jnp.bfloat16
     methods = [("full", get_method("full"))] + [(f"{b:.0%}", get_method("lookm", budget=b)) for b in args.budgets]
 
@@ -104,8 +109,7 @@ def main() -> None:
     head += [f"cache {name} (slots per head)" for name, _ in methods[:1]]
     head += [f"LOOK-M {name} (slots, x full)" for name, _ in methods[1:]]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    for name, hf_config in CONFIGS.items():
-        cfg = parse_config(hf_config)
+    for name, cfg in configs.items():
         params = abstract_params(cfg, dtype)
         counts = {part: sum(math.prod(s.shape) for s in jax.tree.leaves(tree)) for part, tree in params.items()}
         params["text"] = jax.eval_shape(functools.partial(llama.runtime_params, cfg.text), params["text"])  # the layout prefill reads

@@ -1,0 +1,28 @@
+"""bench/sizes.py end to end: its table, from the converter's shapes and the compiled prefill's
+abstract cache, holds the published sizes of the paper's models."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+def test_sizes_table_matches_the_published_models():
+    proc = subprocess.run([sys.executable, "sizes.py", "--prompt", "1024", "--new-tokens", "64", "--budgets", "0.2"],
+                          cwd=BENCH, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = [[c.strip() for c in line.strip("| ").split(" | ")] for line in proc.stdout.splitlines()
+             if line.startswith("| ") and "---" not in line]
+    rows = {cells[0]: cells[1:] for cells in table[1:]}  # after the header
+    # HF's model cards: llava-1.5-7b-hf 7.06 B parameters, llava-1.5-13b-hf 13.4 B.
+    assert rows["LLaVA-v1.5-7B"][1] == "7.063 B" and rows["LLaVA-v1.5-13B"][1].startswith("13.35")
+    # K and V per token, bf16: layers x KV heads x head_dim x 2 x 2 bytes.
+    assert rows["LLaVA-v1.5-7B"][2] == f"{32 * 32 * 128 * 4 // 1024} KiB"
+    assert rows["LLaVA-v1.5-13B"][2] == f"{40 * 40 * 128 * 4 // 1024} KiB"
+    assert rows["MobileVLM-V2-3B"][2] == f"{32 * 32 * 80 * 4 // 1024} KiB"
+    # Slots per head: the whole prompt + new tokens, and LOOK-M's 20% of the prompt + new tokens.
+    assert all(r[3].endswith(f"({1024 + 64})") and f"({int(0.2 * 1024) + 64}, " in r[4] for r in rows.values()), rows
+    assert len(rows) == 4
