@@ -61,18 +61,16 @@ def cmd_generate(args) -> int:
     if args.text_only and args.image:
         raise InputError("--text-only asks for no images; drop --image or --text-only")
     prompt = read_prompt(args)
-    pictures = [open_image(path) for path in args.image or ()]
-    if pictures:
-        leading_images(prompt, len(pictures))  # too many <image> markers
+    images = [] if args.text_only else [open_image(path) for path in default_images(args)]
+    if not images and not args.prompt_file and args.prompt == DEFAULT_PROMPT:
+        prompt = DEFAULT_TEXT_PROMPT
+    leading = leading_images(prompt, len(images))  # too many <image> markers
     model = lookm_jax.load(args.model, args.dtype) if args.model else lookm_jax.load_default(args.dtype)
     _add_buckets(model, args.buckets)
     if not args.model:
         print(f"note: the demo model is the real SmolLM2-135M-Instruct decoder; {model.manifest['vision']}")
-    images = [] if args.text_only else pictures or default_images(args, model)
-    if not images and not args.prompt_file and args.prompt == DEFAULT_PROMPT:
-        prompt = DEFAULT_TEXT_PROMPT
     pixel_values, tiles = model.preprocess_images(images) if images else (None, None)
-    input_ids = model.encode_chat(prompt, num_images=leading_images(prompt, len(images)), image_tiles=tiles)
+    input_ids = model.encode_chat(prompt, num_images=leading, image_tiles=tiles)
     result = model.run(input_ids, pixel_values, max_new_tokens=args.max_new_tokens, method=method,
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                        ignore_context_limit=args.ignore_context_limit)

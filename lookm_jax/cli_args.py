@@ -131,11 +131,12 @@ def read_prompt(args) -> str:
     return text
 
 
-def default_images(args, model) -> list[str]:
-    """--image as given; else the bundled pictures for the demo model; no images for --model."""
+def default_images(args) -> list[str]:
+    """--image as given; else the bundled pictures for the (multimodal) demo model; no images for
+    --model. Known before the model loads, so the prompt's markers can be checked first."""
     if args.image is not None:
         return args.image
-    return DEFAULT_IMAGES if model.is_multimodal and not args.model else []
+    return [] if args.model else DEFAULT_IMAGES
 
 
 def leading_images(prompt: str, n_images: int) -> int:

@@ -347,12 +347,11 @@ def cmd_attention(args) -> int:
 
     _check_output(args.output)
     prompt = read_prompt(args)
-    if args.image:
-        leading_images(prompt, len(args.image))  # too many <image> markers
+    images = default_images(args)
+    leading = leading_images(prompt, len(images))  # too many <image> markers
     model = lookm_jax.load(args.model) if args.model else lookm_jax.load_default()
-    images = default_images(args, model)
     pixel_values, tiles = model.preprocess_images(images) if images else (None, None)
-    input_ids = model.encode_chat(prompt, num_images=leading_images(prompt, len(images)), image_tiles=tiles)
+    input_ids = model.encode_chat(prompt, num_images=leading, image_tiles=tiles)
     received = attention_received(model, input_ids, pixel_values)  # [N, L]
     is_image = (input_ids[0] == model.config.image_token_id) if model.is_multimodal else np.zeros(input_ids.shape[1], bool)
     summary = modality_summary(received, is_image)

@@ -55,10 +55,12 @@ def test_unreadable_image(cli_demo, capsys):
 
 
 @pytest.mark.parametrize("command", [["generate"], ["plot", "attention", "--output", "a.png"]])
-def test_too_many_image_markers_are_refused_before_the_model_loads(cli_demo, capsys, monkeypatch, command):
+@pytest.mark.parametrize("images, markers", [(["--image", cli_args.DEFAULT_IMAGES[0]], 2), ([], 3)])  # [] = the demo's 2
+def test_too_many_image_markers_are_refused_before_the_model_loads(cli_demo, capsys, monkeypatch, command, images,
+                                                                   markers):
     monkeypatch.setattr(lookm_jax, "load_default", lambda dtype=None: pytest.fail("the model was loaded"))
-    _fails(capsys, [*command, "--image", cli_args.DEFAULT_IMAGES[0], "--prompt", "<image> and <image>?"],
-           "the prompt has 2 <image> markers but 1 image(s) were given")
+    _fails(capsys, [*command, *images, "--prompt", " and ".join(["<image>"] * markers)],
+           f"the prompt has {markers} <image> markers but {markers - 1} image(s) were given")
 
 
 @pytest.mark.parametrize("argv,needles", [
