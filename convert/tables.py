@@ -164,8 +164,8 @@ def _set(tree: dict, path: str, value) -> None:
 
 def apply_table(tensors: dict[str, np.ndarray], table, prefix: str, num_layers: int,
                 shapes: dict[str, tuple[int, ...]], dtype, skip: tuple[str, ...] = ()) -> dict:
-    """Pop every row's tensors out of `tensors` and build our nested params, shape-checked (a
-    `ShapesOnly` dry run: each row's expected shape, nothing read)."""
+    """Pop every row's tensors out of `tensors` and build our nested params, checked finite and
+    shape-checked (a `ShapesOnly` dry run: each row's expected shape, nothing read)."""
     params: dict = {}
     for ours, hf_name, transform in table:
         if ours in skip:
@@ -179,6 +179,9 @@ def apply_table(tensors: dict[str, np.ndarray], table, prefix: str, num_layers: 
         if missing:
             raise CheckpointError(f"checkpoint lacks tensor(s) {missing[:3]}{'...' if len(missing) > 3 else ''}")
         arrays = [(transform or (lambda a: a))(tensors.pop(n)) for n in names]
+        broken = next((n for n, a in zip(names, arrays) if not np.isfinite(a).all()), None)
+        if broken is not None:
+            raise CheckpointError(f"checkpoint tensor {broken} holds NaN or inf")
         value = np.stack(arrays) if "{i}" in hf_name else np.ascontiguousarray(arrays[0])
         accepted = accepted_shapes(shapes[ours])
         if value.shape not in accepted:

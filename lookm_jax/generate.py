@@ -49,10 +49,14 @@ class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
 
+    TEMPERATURES = (1e-6, 1e6)  # beyond, T or logits / T leave float32's range (a greedy or a uniform draw anyway)
+
     def __post_init__(self):
-        if not (is_real(self.temperature) and is_real(self.top_p)) or self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise InputError(f"need a finite temperature >= 0 and 0 < top_p <= 1, got temperature "
-                             f"{self.temperature!r}, top_p {self.top_p!r}")
+        low, high = self.TEMPERATURES
+        if (not (is_real(self.temperature) and is_real(self.top_p)) or not 0 < self.top_p <= 1
+                or not (self.temperature == 0 or low <= self.temperature <= high)):
+            raise InputError(f"need temperature 0 (greedy) or in [{low:g}, {high:g}] and 0 < top_p <= 1, got "
+                             f"temperature {self.temperature!r}, top_p {self.top_p!r}")
 
 
 def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:

@@ -194,8 +194,10 @@ def prepare(model, input_ids, pixels, attention_mask, max_new_tokens: int, metho
 
 def open_image(image):
     """An image file (path) -> PIL image, decoded (so a cut file fails here, not mid-run); a PIL
-    image or array passes through. Raises InputError for a missing or unreadable file."""
+    image or array passes through. Raises InputError for a missing, unreadable, 16-bit or float file."""
     from PIL import Image
+
+    from lookm_jax.models.image_processing import check_bit_depth
 
     if not isinstance(image, (str, os.PathLike)):
         return image
@@ -206,4 +208,5 @@ def open_image(image):
         raise InputError(f"image {image} not found") from None
     except Exception as err:  # PIL raises OSError, SyntaxError, struct.error, ... for a broken file
         raise InputError(f"image {image} is not a readable image ({type(err).__name__}: {err})") from None
+    check_bit_depth(picture, f"image {image}")
     return picture

@@ -20,6 +20,7 @@ import numpy as np
 from lookm_jax.convert import original_llava, store
 from lookm_jax.convert.hf import load_hf_folder, parse_config, params_from_hf
 from lookm_jax.convert.tables import CheckpointError, read_json_object
+from lookm_jax.convert.tokenizer import special_tokens_of
 from lookm_jax.errors import InputError
 from lookm_jax.inputs import check_dtype
 from lookm_jax.model import Model
@@ -85,8 +86,10 @@ def _read_hf(folder: str) -> tuple[dict, dict, str | None]:
         path = os.path.join(folder, name)
         if os.path.exists(path):
             data = read_json_object(path)
-            if name == "tokenizer_config.json" and data.get("chat_template"):
-                manifest["chat_template"] = data["chat_template"]
+            if name == "tokenizer_config.json":
+                manifest["special_tokens"] = special_tokens_of(data)
+                if data.get("chat_template"):
+                    manifest["chat_template"] = data["chat_template"]
             if name == "preprocessor_config.json":
                 manifest["image_processor"] = data
     template = os.path.join(folder, "chat_template.jinja")
@@ -103,8 +106,15 @@ def _read_gguf(path: str) -> tuple[dict, dict, str | None]:
 
     ckpt = read_gguf(path)
     params = params_from_hf(parse_config(ckpt.config), dict(ckpt.tensors))
-    manifest = {"hf_config": ckpt.config, "chat_template": ckpt.chat_template, "source": os.path.abspath(path)}
+    manifest = {"hf_config": ckpt.config, "chat_template": ckpt.chat_template, "special_tokens": _special_tokens(ckpt),
+                "source": os.path.abspath(path)}
     return manifest, params, ckpt.tokenizer.to_str()
+
+
+def _special_tokens(ckpt) -> dict[str, str]:
+    """A GGUF checkpoint's special tokens by the names a chat template reads (SPECIAL_TOKENS)."""
+    ids = {"bos_token": ckpt.bos_token_id, "eos_token": ckpt.eos_token_id, "pad_token": ckpt.pad_token_id}
+    return {name: ckpt.tokenizer.id_to_token(i) for name, i in ids.items() if i is not None}
 
 
 def read_checkpoint(path: str) -> tuple[dict, dict, str | None]:
@@ -186,7 +196,7 @@ def build_demo(gguf_path: str | None = None, vision: str = "trained") -> tuple[d
                  "vision_feature_select_strategy": "default", "projector_hidden_act": "gelu"}
     vision_params = read_demo_vision() if vision == "trained" else demo_vision_init(hf_config)
     params = {"text": params_from_hf(parse_config(text_config), dict(ckpt.tensors))["text"], **vision_params}
-    manifest = {"hf_config": hf_config, "chat_template": ckpt.chat_template,
+    manifest = {"hf_config": hf_config, "chat_template": ckpt.chat_template, "special_tokens": _special_tokens(ckpt),
                 "image_processor": DEMO_IMAGE_PROCESSOR,
                 "vision": DEMO_VISION_NOTE if vision == "trained" else "seeded initialisation, untrained",
                 "source": os.path.abspath(gguf_path), "demo_build": demo_key(gguf_path, vision)}

@@ -92,7 +92,7 @@ class Model:
 
     config: LlavaConfig | LlamaConfig
     params: dict  # jax arrays; the layout: models/llama.py (runtime layout), clip.py, llava.py
-    manifest: dict[str, Any]  # hf_config, chat_template, image_processor, notes (what `save` writes)
+    manifest: dict[str, Any]  # hf_config, chat_template, special_tokens, image_processor, notes (what `save` writes)
     tokenizer: Any = None  # tokenizers.Tokenizer
     buckets: tuple[int, ...] = gen.DEFAULT_BUCKETS
     mesh: jax.sharding.Mesh | None = None  # set by `shard`
@@ -105,6 +105,12 @@ class Model:
     @property
     def is_multimodal(self) -> bool:
         return llava.is_multimodal(self.config)
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """The chat template's bos_token / eos_token / ... strings (a folder converted before they were
+        recorded has none)."""
+        return self.manifest.get("special_tokens", {})
 
     @property
     def dtype(self):
@@ -249,7 +255,8 @@ class Model:
             raise InputError(f"{num_images} image(s) given, but this is a text-only model")
         content = f"{processors.IMAGE_MARKER}\n" * num_images + prompt
         template = self.manifest.get("chat_template")
-        text = apply_chat_template(template, [{"role": "user", "content": content}]) if template else content
+        text = (apply_chat_template(template, [{"role": "user", "content": content}], special_tokens=self.special_tokens)
+                if template else content)
         return np.asarray([self.processor.encode(self.tokenizer, text, image_tiles)], np.int32)
 
     def decode_text(self, tokens: Sequence[int]) -> str:

@@ -21,6 +21,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from lookm_jax.cache import KVCache
+from lookm_jax.checks import is_int_at_least
 
 DATA, MODEL = "data", "model"
 
@@ -56,9 +57,11 @@ def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
     the single-device code needs no sharding annotations in its types.
     """
     devices = jax.devices() if devices is None else devices
+    if not is_int_at_least(data, 1) or not (model is None or is_int_at_least(model, 1)):
+        raise ValueError(f"data and model must be ints >= 1 (model may be None), got {data!r}, {model!r}")
     if model is None:
         model = len(devices) // data
-    if data < 1 or model < 1 or data * model > len(devices):
+    if model < 1 or data * model > len(devices):
         raise ValueError(f"a {data} x {model} (data x model) mesh needs {data * model} devices, "
                          f"{len(devices)} available")
     return jax.make_mesh((data, model), (DATA, MODEL), axis_types=(AxisType.Auto,) * 2, devices=devices)

@@ -16,6 +16,7 @@ import numpy as np
 
 from lookm_jax import generate as gen, inputs
 from lookm_jax.cache import KVCache
+from lookm_jax.checks import is_int_at_least
 from lookm_jax.errors import InputError
 from lookm_jax.scoring import STATISTICS
 
@@ -37,12 +38,14 @@ def generate_methods(model, input_ids, pixel_values=None, attention_mask=None, m
         raise InputError(f"methods must be a non-empty list of methods (lookm_jax.get_method), got {methods!r:.80}")
     if model.mesh is not None:
         raise InputError("generate_methods runs on one device; call it on the unsharded model")
-    if after is not None:
-        after = _after_tokens(model, after, np.shape(input_ids)[0])
-    fed = 0 if after is None else after.shape[1]
+    if not is_int_at_least(max_decode_rows, 1):
+        raise InputError(f"max_decode_rows must be an int >= 1, got {max_decode_rows!r}")
+    fed = np.shape(after)[-1] if after is not None and np.ndim(after) == 2 else 0  # checked with the prompt's rows
     prompt = inputs.prepare(model, input_ids, pixel_values, attention_mask, fed + max_new_tokens, methods,
                             ignore_context_limit)
     batch, bucket = prompt.ids.shape
+    if after is not None:
+        after = _after_tokens(model, after, batch)
     key = jax.random.key(0)
     sampling = gen.Sampling()
     prefilled = gen.prefill_states(

@@ -58,10 +58,33 @@ class RopeConfig:
         _require(rope_type == "llama3", where, "rope_type", rope_type, "'default', 'llama3'")
         handled = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
         _check_fields(params, handled, f"{where}.rope_parameters")
-        return cls(theta=theta, factor=float(params["factor"]),
-                   low_freq_factor=float(params["low_freq_factor"]),
-                   high_freq_factor=float(params["high_freq_factor"]),
-                   original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+        try:
+            rope = cls(theta=theta, factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+                       high_freq_factor=float(params["high_freq_factor"]),
+                       original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"{where}.rope_parameters: llama3 scaling needs numbers {sorted(handled)}, "
+                              f"got {params}") from None
+        if not (rope.factor > 0 and 0 < rope.low_freq_factor < rope.high_freq_factor
+                and rope.original_max_position_embeddings >= 1):  # HF divides by high - low; also refuses NaN
+            raise ConfigError(f"{where}.rope_parameters: llama3 scaling needs factor > 0, 0 < low_freq_factor < "
+                              f"high_freq_factor and original_max_position_embeddings >= 1, got {params}")
+        return rope
+
+
+def _rope_parameters(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """RoPE settings: transformers 5's rope_parameters, or the older rope_scaling + rope_theta; where a
+    config carries both spellings they must agree (one would otherwise be dropped silently)."""
+    parameters, scaling = d.get("rope_parameters") or {}, dict(d.get("rope_scaling") or {})
+    if "type" in scaling:
+        scaling.setdefault("rope_type", scaling.pop("type"))
+    if "rope_theta" in d:
+        scaling.setdefault("rope_theta", d["rope_theta"])
+    disagree = {k: (parameters[k], v) for k, v in scaling.items() if k in parameters and parameters[k] != v}
+    if disagree:
+        raise ConfigError(f"{where}: rope_parameters and rope_scaling / rope_theta disagree on "
+                          f"{', '.join(f'{k} ({a!r} vs {b!r})' for k, (a, b) in disagree.items())}; keep one")
+    return {**scaling, **parameters}
 
 
 # HF Qwen2Config defaults where they differ from LlamaConfig's (hub configs may omit default fields).
@@ -95,6 +118,9 @@ class LlamaConfig:
             raise ConfigError(f"config sizes must be >= 1, got {bad}")
         if not (self.rms_norm_eps > 0 and self.rope.theta > 0):  # also refuses NaN
             raise ConfigError(f"rms_norm_eps and rope_theta must be > 0, got {self.rms_norm_eps}, {self.rope.theta}")
+        outside = [e for e in self.eos_token_ids if not 0 <= e < self.vocab_size]
+        if outside:
+            raise ConfigError(f"eos_token_id {outside[0]} outside the vocabulary [0, {self.vocab_size})")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_attention_heads={self.num_heads} is not a multiple of "
                               f"num_key_value_heads={self.num_kv_heads}")
@@ -122,9 +148,7 @@ class LlamaConfig:
         for flag in ("attention_bias", "mlp_bias"):
             _require(not d.get(flag, False), where, flag, d.get(flag), "false")
         _require(d.get("pretraining_tp", 1) == 1, where, "pretraining_tp", d.get("pretraining_tp"), "1")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if "rope_theta" in d and "rope_theta" not in rope:
-            rope = {**rope, "rope_theta": d["rope_theta"]}
+        rope = _rope_parameters(d, where)
 
         def integer(name: str, default: int) -> int:  # absent or null: HF's default
             value = d.get(name)
@@ -137,7 +161,9 @@ class LlamaConfig:
         # Hub configs (e.g. llava-1.5's text_config) omit fields left at HF's LlamaConfig defaults.
         heads, hidden = integer("num_attention_heads", 32), integer("hidden_size", 4096)
         eos = d.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+            raise ConfigError(f"{where}: eos_token_id must be an integer or a list of them, got {d.get('eos_token_id')!r}")
         try:
             rms_norm_eps = float(d.get("rms_norm_eps", 1e-6))
         except (TypeError, ValueError):

@@ -123,12 +123,21 @@ def _crop_size(crop) -> tuple[int, int]:
     raise ValueError(f"crop_size={crop!r} is not supported (only {{'height': h, 'width': w}})")
 
 
+def check_bit_depth(image: Image.Image, what: str = "an image") -> None:
+    """Refuse 16-bit and float PIL images (modes I;16*, I, F): converting them to RGB, as transformers
+    does too, clips every value above 255, so most pictures would come out white."""
+    if image.mode in ("I", "F") or image.mode.startswith("I;16"):
+        raise InputError(f"{what} has {'float' if image.mode == 'F' else '16/32-bit integer'} pixels (PIL mode "
+                         f"{image.mode}), which RGB conversion clips at 255; convert it to 8-bit RGB first")
+
+
 def _to_rgb(image: Image.Image | np.ndarray) -> Image.Image:
     """RGB PIL image; transparency is composited onto white, as transformers' convert_to_rgb does."""
     size = image.size if isinstance(image, Image.Image) else getattr(image, "shape", (1, 1))[:2]
     if 0 in size:
         raise InputError(f"an image has no pixels (size {tuple(size)})")
     if isinstance(image, Image.Image):
+        check_bit_depth(image)
         if "A" in image.getbands() or image.info.get("transparency") is not None:
             rgba = image.convert("RGBA")
             return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")

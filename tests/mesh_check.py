@@ -225,6 +225,9 @@ def test_detector_sees_a_gathered_cache_and_an_iota_indexed_scatter():
 def test_meshes_that_do_not_fit_are_refused(model, prompt):
     with pytest.raises(ValueError, match="8 devices, 4 available"):
         sharding.make_mesh(4, 2)
+    for data in (0, "1"):
+        with pytest.raises(ValueError, match=rf"data and model must be ints >= 1 \(model may be None\), got {data!r}"):
+            sharding.make_mesh(data)
     with pytest.raises(ValueError, match="4 KV heads do not split over a 'model' axis of size 3"):
         model.shard(sharding.make_mesh(1, 3))
     two_by_two = model.shard(sharding.make_mesh(2, 2))

@@ -17,6 +17,7 @@ from conftest import tiny_llava
 from lookm_jax import loading
 from lookm_jax.convert import store
 from lookm_jax.convert.hf import CheckpointError
+from lookm_jax.convert.tables import canonical_name
 from lookm_jax.errors import InputError
 from lookm_jax.models.config import ConfigError
 from original_layout import save_checkpoint, tiny_llama
@@ -91,6 +92,18 @@ def test_missing_tensor_is_named(checkpoint, tmp_path):
         lookm_jax.load(str(tmp_path))
 
 
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_a_tensor_with_nan_or_inf_is_named(checkpoint, tmp_path, value):
+    copy_with(checkpoint, tmp_path)
+    tensors = load_file(os.path.join(tmp_path, "model.safetensors"))
+    name = next(k for k in tensors if k.endswith("layers.1.self_attn.k_proj.weight") and "vision" not in k)
+    tensors[name][2, 3] = value  # one entry of a stacked layer's weight: the rest would load and answer garbage
+    save_file(tensors, os.path.join(tmp_path, "model.safetensors"))
+    named = re.escape(canonical_name(name))  # as the loader names every tensor, "lacks tensor(s)" included
+    with pytest.raises(CheckpointError, match=rf"^checkpoint tensor {named} holds NaN or inf$"):
+        lookm_jax.load(str(tmp_path))
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda c: c["text_config"].update(sliding_window=128), r"unsupported config field\(s\) \['sliding_window'\]"),
     (lambda c: c["text_config"].update(attention_bias=True), "attention_bias=True"),
@@ -104,6 +117,18 @@ def test_missing_tensor_is_named(checkpoint, tmp_path):
     (lambda c: c["text_config"].update(num_key_value_heads=0), r"config sizes must be >= 1, got \{'num_key_value_heads': 0\}"),
     (lambda c: c["text_config"].update(vocab_size=1.7), "text_config: vocab_size must be an integer, got 1.7"),
     (lambda c: c["text_config"].update(rms_norm_eps=-1.0), "rms_norm_eps and rope_theta must be > 0"),
+    (lambda c: c["text_config"].update(rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                                       rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+     r"rope_parameters and rope_scaling / rope_theta disagree on rope_type \('default' vs 'llama3'\); keep one"),
+    (lambda c: c["text_config"].update(rope_parameters={"rope_theta": 1e4}, rope_theta=5e5),
+     r"disagree on rope_theta \(10000.0 vs 500000.0\)"),
+    (lambda c: c["text_config"].update(rope_parameters={"rope_type": "llama3", "factor": -8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+     r"llama3 scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor"),
+    (lambda c: c["text_config"].update(rope_parameters={"rope_type": "llama3", "factor": 8.0}),
+     r"llama3 scaling needs numbers"),
+    (lambda c: c["text_config"].update(eos_token_id=[2, 100000]), r"eos_token_id 100000 outside the vocabulary \[0, "),
+    (lambda c: c["text_config"].update(eos_token_id="2"), "eos_token_id must be an integer or a list of them, got '2'"),
 ])
 def test_unsupported_config_is_refused(checkpoint, tmp_path, edit, message):
     copy_with(checkpoint, tmp_path, config_edit=edit)

@@ -12,7 +12,9 @@ import pytest
 from transformers import AutoTokenizer, LlamaConfig
 
 from lookm_jax.convert.gguf import dequantize_q4_1, read_gguf, smollm2_gguf_path
-from lookm_jax.convert.tokenizer import apply_chat_template
+from lookm_jax import loading
+from lookm_jax.convert.tokenizer import apply_chat_template, special_tokens_of
+from lookm_jax.errors import InputError
 
 # ---------------------------------------------------------------- real file, module-scoped
 
@@ -136,6 +138,33 @@ def test_chat_template_matches_transformers(ckpt, hf_tok):
     prompt = apply_chat_template(ckpt.chat_template, CHATS[0])
     assert prompt.endswith("<|im_start|>assistant\n")
     assert ckpt.tokenizer.encode(prompt).ids[0] == 1  # <|im_start|> stays one token
+
+
+# Llama-2 / Mistral style: the template writes the special tokens itself.
+BOS_EOS_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}"
+                    "{{ eos_token }}{% else %}[INST] {{ m['content'] }} [/INST]{% endif %}{% endfor %}")
+
+
+def test_chat_template_reads_the_special_tokens_transformers_passes(ckpt, hf_tok):
+    tokens = loading._special_tokens(ckpt)
+    assert tokens["bos_token"] == hf_tok.bos_token and tokens["eos_token"] == hf_tok.eos_token
+    for chat in CHATS:
+        ours = apply_chat_template(BOS_EOS_TEMPLATE, chat, special_tokens=tokens)
+        assert ours == hf_tok.apply_chat_template(chat, chat_template=BOS_EOS_TEMPLATE, tokenize=False)
+    # tokenizer_config.json names them as strings or as AddedToken objects
+    config = {"bos_token": {"__type": "AddedToken", "content": "<s>"}, "eos_token": "</s>", "unk_token": None}
+    assert special_tokens_of(config) == {"bos_token": "<s>", "eos_token": "</s>"}
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{{ bos_token + messages[0]['content'] }}", "the model's chat template failed: 'bos_token' is undefined"),
+    ("{% for m in messages %}{{ m['content'] }", "the model's chat template failed: unexpected '}'"),
+    ("{{ raise_exception('only user turns') }}", "the model's chat template failed: only user turns"),
+])
+def test_a_failing_chat_template_is_one_input_error(template, message):
+    with pytest.raises(InputError) as error:
+        apply_chat_template(template, CHATS[0])  # no special tokens given
+    assert str(error.value) == message
 
 
 def test_truncated_file_raises_value_error(path, tmp_path):

@@ -39,11 +39,39 @@ def test_unreadable_image_names_the_file(tiny, tmp_path):
         tiny.preprocess_images([str(tmp_path / "missing.png")])
 
 
+def test_16_bit_and_float_images_are_refused_not_clipped(tiny, tmp_path):
+    from PIL import Image
+
+    ramp = np.linspace(0, 65535, 256).reshape(16, 16)
+    deep = tmp_path / "deep.png"
+    Image.fromarray(ramp.astype(np.uint16)).save(deep)  # mode I;16: RGB conversion would clip 99% to white
+    with pytest.raises(InputError, match=r"image \S*deep\.png has 16/32-bit integer pixels \(PIL mode I;16\)"):
+        tiny.preprocess_images([str(deep)])
+    with pytest.raises(InputError, match=r"an image has float pixels \(PIL mode F\), .* convert it to 8-bit RGB"):
+        tiny.preprocess_images([Image.fromarray(ramp.astype(np.float32))])
+    tiny.preprocess_images([Image.fromarray((ramp / 257).astype(np.uint8))])  # the same ramp in 8 bits is taken
+
+
 @pytest.mark.parametrize("name", ["lookm", "h2o"])
 @pytest.mark.parametrize("budget", [0, 1.5, -1])
 def test_budget_outside_0_1_is_refused_as_typed(name, budget):
     with pytest.raises(InputError, match=rf"budget must be a fraction in \(0, 1\], got {budget}$"):
         get_method(name, budget=budget)
+
+
+def test_a_method_name_that_is_not_a_string_is_refused():
+    with pytest.raises(InputError, match=r"unknown method \['lookm'\]; known: full, "):
+        get_method(["lookm"])
+
+
+def test_snapkv_voting_with_an_empty_recent_window_is_refused():
+    with pytest.raises(InputError, match=r"window=None votes with the recent window \(W = M\), so it needs alpha_recent > 0"):
+        get_method("snapkv", alpha_recent=0.0, alpha_important=0.25, window=None)
+    method = get_method("snapkv", alpha_recent=0.02, alpha_important=0.25, window=None)
+    method.check_prompt_lengths(np.array([50, 60]))  # 1 recent voter each
+    with pytest.raises(InputError, match=r"alpha_recent=0.02 keeps no recent slot of a 40-token prompt \(needs "
+                                         r"alpha_recent >= 0.025\)$"):
+        method.check_prompt_lengths(np.array([60, 40]))
 
 
 @pytest.mark.parametrize("alphas", [(0.0, 0.0), (0.6, 0.6), (-0.5, 0.5), (0.1, float("nan"))])
@@ -166,7 +194,10 @@ def test_other_requests_are_refused_with_input_error(tiny, prompt):
     ids, pixels = prompt
     for kwargs, message in (({"max_new_tokens": 0}, "max_new_tokens must be an int >= 1, got 0"),
                             ({"method": "lookm"}, "method must be a lookm_jax method"),
-                            ({"temperature": float("nan")}, "finite temperature >= 0 .* got temperature nan"),
+                            ({"temperature": float("nan")},
+                             r"temperature 0 \(greedy\) or in \[1e-06, 1e\+06\] .* got temperature nan"),
+                            ({"temperature": 1e-39}, "got temperature 1e-39"),  # float32 has no 1 / 1e-39
+                            ({"temperature": 1e300}, "got temperature 1e\\+300"),
                             ({"temperature": "hot"}, "got temperature 'hot'"),
                             ({"top_p": None}, "0 < top_p <= 1, got temperature 0.0, top_p None"),
                             ({"seed": 1.5}, r"seed must be an int in \[0, 4294967295\], got 1.5"),

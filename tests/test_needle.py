@@ -112,6 +112,11 @@ def test_tokens_fed_after_compression_continue_the_prompt(tiny, ragged_batch):
                                methods=[get_method("full")])
     with pytest.raises(InputError, match="methods must be a non-empty list of methods"):
         sweep.generate_methods(tiny, ids, pixels, mask, NEW, methods=get_method("full"))
+    for rows in (2.5, 0, None):
+        with pytest.raises(InputError, match=f"max_decode_rows must be an int >= 1, got {rows}"):
+            sweep.generate_methods(tiny, ids, pixels, mask, NEW, methods=[get_method("full")], max_decode_rows=rows)
+    with pytest.raises(InputError, match=r"input_ids must be"):  # the prompt named before `after` is measured by it
+        sweep.generate_methods(tiny, 5, after=[[1]], methods=[get_method("full")])
     with pytest.raises(ValueError, match="must be fewer than max_new_tokens"):
         gen.decode(tiny.text_config, tiny.params["text"], jnp.zeros(2, jnp.int32), None, jax.random.key(0),
                    max_new_tokens=3, sampling=gen.Sampling(), eos_ids=(), forced=jnp.zeros((2, 3), jnp.int32))
@@ -391,6 +396,7 @@ def test_a_rerun_reads_the_rows_as_the_report_does_before_it_runs(tmp_path):
     (["sweep", "--budgets", "0.1", "0.2", "0.10"], r"--budgets repeats 0.1: give each value once"),
     (["calibrate", "--output", "{tmp}/nowhere/t.csv"], r"--output \S*t.csv: folder \S*nowhere does not exist"),
     (["calibrate", "--output", "{tmp}"], r"--output \S* is a folder; give a file path"),
+    (["calibrate", "--jsonl", "{tmp}"], r"--jsonl \S* is a folder; give a file path"),
 ])
 def test_arguments_that_cannot_run_are_refused_before_anything_runs(tmp_path, capsys, argv, message):
     from lookm_jax.cli import main

@@ -100,6 +100,18 @@ def test_killed_run_resumes_to_the_uninterrupted_parameters(tiny, tmp_path):
         run(tmp_path / "garbage")
 
 
+def test_diverged_run_stops_before_writing_nan(tiny, tmp_path):
+    batch = _fixed_batch(tiny)
+    poisoned = dataclasses.replace(batch, pixel_values=np.full_like(batch.pixel_values, np.nan))
+    with pytest.raises(ValueError, match=r"stage-1 loss became nan at step 4 \(learning rate 0.01: too high\?\)"):
+        vision.train(tiny, _config(6), str(tmp_path), batch_fn=lambda step: poisoned if step == 4 else batch,
+                     progress=False)
+    assert [json.loads(line)["step"] for line in open(tmp_path / vision.LOG)] == [1, 2, 3]
+    resumed = vision.train(tiny, _config(6), str(tmp_path), batch_fn=lambda step: batch, progress=False)  # from 3
+    assert jax.tree.all(jax.tree.map(lambda a: bool(np.isfinite(a).all()), resumed))
+    assert [json.loads(line)["step"] for line in open(tmp_path / vision.LOG)] == list(range(1, 7))
+
+
 def test_anchored_run_fits_its_head_lowers_the_patch_loss_and_resumes(tiny, tmp_path):
     """With an anchor, the head is fitted on the starting tower (no stage 0 in this run), every step
     logs stage 0's patch loss, which falls as the tower trains, a killed run resumes to the same

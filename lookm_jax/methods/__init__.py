@@ -32,7 +32,7 @@ def parameters(name: str) -> dict[str, object]:
 
 def method_class(name: str) -> type[Method]:
     """The class registered as `name`."""
-    if name not in _REGISTRY:
+    if not isinstance(name, str) or name not in _REGISTRY:
         raise InputError(f"unknown method {name!r}; known: {', '.join(METHODS)}")
     return _REGISTRY[name]
 

@@ -38,6 +38,17 @@ class SnapKV(ScorerMethod):
                              f"{self.pooling!r}")
         if self.window is not None and not is_int_at_least(self.window, 1):
             raise InputError(f"window must be an int >= 1 or None, got {self.window!r}")
+        if self.window is None and self.alpha_recent == 0:
+            raise InputError("window=None votes with the recent window (W = M), so it needs alpha_recent > 0")
+
+    def check_prompt_lengths(self, lengths) -> None:
+        """As every scorer, and with window=None each row's recent window (its voters) must hold a token."""
+        super().check_prompt_lengths(lengths)
+        shortest = int(min(lengths))
+        if self.window is None and math.floor(self.alpha_recent * shortest) < 1:
+            raise InputError(f"window=None votes with the recent window, and alpha_recent={self.alpha_recent:g} keeps "
+                             f"no recent slot of a {shortest}-token prompt (needs alpha_recent >= "
+                             f"{math.ceil(1 / shortest * 1e4) / 1e4:g})")
 
     def queries_read(self, bucket_len: int) -> int:
         """W, or with window=None the largest per-row M = floor(alpha_recent * L) for this bucket."""

@@ -40,11 +40,12 @@ class Encoder:
     image_token_id: int
     image_seq_length: int
     processor: Processor  # the model's own input side (its image preprocessor)
+    special_tokens: dict  # the chat template's bos_token etc. (`Model.special_tokens`)
 
     @classmethod
     def of(cls, model) -> "Encoder":
         return cls(model.tokenizer, model.manifest["chat_template"], model.config.image_token_id,
-                   model.config.image_seq_length, model.processor)
+                   model.config.image_seq_length, model.processor, model.special_tokens)
 
     def pixels(self, pictures: Sequence) -> np.ndarray:
         """PIL images -> pixel_values [N, 3, S, S] float32, as the model preprocesses them."""
@@ -57,9 +58,9 @@ class Encoder:
         boundaries = []  # (answer start, answer end) in characters of the full text
         for user, assistant in turns:
             messages.append({"role": "user", "content": user})
-            prefix = apply_chat_template(self.chat_template, messages, add_generation_prompt=True)
+            prefix = apply_chat_template(self.chat_template, messages, True, self.special_tokens)
             messages.append({"role": "assistant", "content": assistant})
-            full = apply_chat_template(self.chat_template, messages, add_generation_prompt=False)
+            full = apply_chat_template(self.chat_template, messages, False, self.special_tokens)
             if not full.startswith(prefix):
                 raise ValueError("the chat template does not render a turn's prompt as a prefix of the turn")
             boundaries.append((len(prefix), len(full.rstrip())))

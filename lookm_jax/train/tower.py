@@ -22,6 +22,7 @@ side 0.96, half 0.98 and count 0.97 (1000 steps over 4096: 0.73 / 0.91 / 0.92 / 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import jax
@@ -172,6 +173,13 @@ def fit_head(cfg, tower: dict, data: dict[str, np.ndarray], seed: int, steps: in
     return jax.device_get(head), {k: float(v) for k, v in accuracy.items()}
 
 
+def check_finite(stage: str, loss: float, step: int, learning_rate: float) -> None:
+    """Stop a diverged run before it checkpoints or exports NaN weights (the last checkpoint stays)."""
+    if not math.isfinite(loss):
+        raise ValueError(f"{stage} loss became {loss} at step {step} (learning rate {learning_rate:g}: too high?); "
+                         "stopped before writing it, so the last checkpoint stays")
+
+
 def pretrain(cfg, tower: dict, preprocess: Callable[[list], np.ndarray], config: PretrainConfig,
              progress: bool = True) -> tuple[dict, dict, list[dict]]:
     """Train `tower` (CLIP params, cfg: CLIPVisionConfig) on patch labels -> (tower, head, log records)."""
@@ -197,6 +205,7 @@ def pretrain(cfg, tower: dict, preprocess: Callable[[list], np.ndarray], config:
     bar = tqdm(range(config.steps), desc="pretrain tower", unit="step", disable=not progress)
     for s in bar:
         params, opt_state, loss, acc = step(params, opt_state, sample_batch(data, config.batch_size, rng))
+        check_finite("stage-0", float(loss), s + 1, config.learning_rate)
         log.append({"pretrain_step": s + 1, "loss": float(loss),
                     **{f"{name}_accuracy": float(v) for name, v in acc.items()}})
         bar.set_postfix(loss=f"{log[-1]['loss']:.3f}", shape=f"{log[-1]['shape_accuracy']:.2f}")

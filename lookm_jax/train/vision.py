@@ -331,6 +331,7 @@ def train(model, config: TrainConfig, output: str, *, trainable: dict | None = N
             rng = np.random.default_rng([config.seed, step])
             arrays["anchor"] = tower.sample_batch(anchor_data, config.anchor_batch_size, rng)
         trainable, opt_state, loss, step_metrics = train_step(trainable, opt_state, text_params, arrays)
+        tower.check_finite("stage-1", float(loss), step, config.learning_rate)
         tokens += int(batch.valid.sum())
         record = {"step": step, "loss": float(loss),
                   **{k: float(v) for k, v in step_metrics.items()},
