@@ -23,7 +23,7 @@ COLUMNS = ("evicted_image", "text_slots", "absorbed_text", "absorbed_image", "ab
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pictures", type=at_least(1), default=8, help="pictures per prompt")
+    parser.add_argument("--pictures", type=int, default=8, help="pictures per prompt, in [2, 10]")
     parser.add_argument("--samples", type=at_least(1), default=8, help="prompts per task")
     parser.add_argument("--budgets", type=kept_fraction, nargs="+", default=[0.05, 0.1, 0.2, 0.5], help="kept fractions")
     parser.add_argument("--json", metavar="PATH", type=json_path, help="also write every figure to PATH")

@@ -73,9 +73,7 @@ def ensure_kvpress_venv() -> dict:
 def split_prompt(model, sample) -> tuple[list[int], list[int]]:
     """The chat-templated prompt's ids (exactly model.encode_chat's) split into the context and the
     rest: the question plus the end of the user turn and the assistant header."""
-    from lookm_jax.convert.tokenizer import apply_chat_template
-
-    text = apply_chat_template(model.manifest["chat_template"], [{"role": "user", "content": sample.prompt}])
+    text = model.chat_text(sample.prompt)
     encoding = model.tokenizer.encode(text, add_special_tokens=False)
     if encoding.ids != model.encode_chat(sample.prompt)[0].tolist():
         raise RuntimeError("re-rendering the chat template no longer gives model.encode_chat's ids")

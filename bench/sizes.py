@@ -92,7 +92,8 @@ def nbytes(*structs) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompt", type=at_least(1), default=4096, help="prompt tokens (a bucket length)")
+    parser.add_argument("--prompt", type=int, default=4096,
+                        help="prompt tokens (a bucket length), more than the largest image (576)")
     parser.add_argument("--new-tokens", type=at_least(1), default=64)
     parser.add_argument("--budgets", type=kept_fraction, nargs="+", default=[0.2, 0.05])
     args = parser.parse_args()

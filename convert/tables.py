@@ -11,6 +11,7 @@ import json
 import re
 from typing import Callable
 
+import ml_dtypes
 import numpy as np
 
 from lookm_jax.models.config import CLIPVisionConfig, LlamaConfig, LlavaConfig
@@ -162,6 +163,18 @@ def _set(tree: dict, path: str, value) -> None:
     tree[leaf] = value
 
 
+_EXPONENT_BITS = {np.dtype(np.float16): 0x7C00, np.dtype(ml_dtypes.bfloat16): 0x7F80}
+
+
+def all_finite(a: np.ndarray) -> bool:
+    """No NaN or inf in `a`. A 16-bit float is read as its bits (all exponent bits set: NaN or inf),
+    ~10x faster than NumPy's isfinite on float16 and bfloat16, which convert every element."""
+    bits = _EXPONENT_BITS.get(a.dtype)
+    if bits is None:
+        return bool(np.isfinite(a).all()) if a.dtype.kind in "fc" else True
+    return not ((a.view(np.uint16) & bits) == bits).any()
+
+
 def apply_table(tensors: dict[str, np.ndarray], table, prefix: str, num_layers: int,
                 shapes: dict[str, tuple[int, ...]], dtype, skip: tuple[str, ...] = ()) -> dict:
     """Pop every row's tensors out of `tensors` and build our nested params, checked finite and
@@ -179,10 +192,10 @@ def apply_table(tensors: dict[str, np.ndarray], table, prefix: str, num_layers: 
         if missing:
             raise CheckpointError(f"checkpoint lacks tensor(s) {missing[:3]}{'...' if len(missing) > 3 else ''}")
         arrays = [(transform or (lambda a: a))(tensors.pop(n)) for n in names]
-        broken = next((n for n, a in zip(names, arrays) if not np.isfinite(a).all()), None)
-        if broken is not None:
-            raise CheckpointError(f"checkpoint tensor {broken} holds NaN or inf")
         value = np.stack(arrays) if "{i}" in hf_name else np.ascontiguousarray(arrays[0])
+        if not all_finite(value):
+            broken = next(n for n, a in zip(names, arrays) if not all_finite(a))
+            raise CheckpointError(f"checkpoint tensor {broken} holds NaN or inf")
         accepted = accepted_shapes(shapes[ours])
         if value.shape not in accepted:
             raise CheckpointError(f"{names[0]}: shape {value.shape} after mapping to {ours!r}, "

@@ -33,7 +33,8 @@ def _compile(template: str) -> jinja2.Template:
 
 
 def special_tokens_of(tokenizer_config: dict) -> dict[str, str]:
-    """The SPECIAL_TOKENS a tokenizer_config.json names (each a string or an AddedToken's {"content": ...})."""
+    """The SPECIAL_TOKENS a tokenizer_config.json or special_tokens_map.json names (each a string or an
+    AddedToken's {"content": ...})."""
     out = {}
     for name in SPECIAL_TOKENS:
         value = tokenizer_config.get(name)

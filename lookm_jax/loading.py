@@ -82,14 +82,14 @@ def _read_hf(folder: str) -> tuple[dict, dict, str | None]:
     tokenizer_json = None
     if os.path.exists(os.path.join(folder, "tokenizer.json")):
         tokenizer_json = open(os.path.join(folder, "tokenizer.json")).read()
-    for name in ("tokenizer_config.json", "preprocessor_config.json"):
+    for name in ("tokenizer_config.json", "special_tokens_map.json", "preprocessor_config.json"):
         path = os.path.join(folder, name)
         if os.path.exists(path):
             data = read_json_object(path)
-            if name == "tokenizer_config.json":
-                manifest["special_tokens"] = special_tokens_of(data)
-                if data.get("chat_template"):
-                    manifest["chat_template"] = data["chat_template"]
+            if name in ("tokenizer_config.json", "special_tokens_map.json"):  # the map wins, as transformers reads it
+                manifest["special_tokens"] = {**manifest.get("special_tokens", {}), **special_tokens_of(data)}
+            if name == "tokenizer_config.json" and data.get("chat_template"):
+                manifest["chat_template"] = data["chat_template"]
             if name == "preprocessor_config.json":
                 manifest["image_processor"] = data
     template = os.path.join(folder, "chat_template.jinja")
@@ -114,7 +114,8 @@ def _read_gguf(path: str) -> tuple[dict, dict, str | None]:
 def _special_tokens(ckpt) -> dict[str, str]:
     """A GGUF checkpoint's special tokens by the names a chat template reads (SPECIAL_TOKENS)."""
     ids = {"bos_token": ckpt.bos_token_id, "eos_token": ckpt.eos_token_id, "pad_token": ckpt.pad_token_id}
-    return {name: ckpt.tokenizer.id_to_token(i) for name, i in ids.items() if i is not None}
+    tokens = {name: ckpt.tokenizer.id_to_token(i) for name, i in ids.items() if i is not None}
+    return {name: token for name, token in tokens.items() if token is not None}  # an id past the vocabulary: none
 
 
 def read_checkpoint(path: str) -> tuple[dict, dict, str | None]:

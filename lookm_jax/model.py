@@ -237,8 +237,6 @@ class Model:
         Tiling architectures (InternVL) need `image_tiles`: each image's tile count, in order, from
         `preprocess_images`.
         """
-        from lookm_jax.convert.tokenizer import apply_chat_template
-
         count = as_int(num_images)
         if count is None or count < 0:
             raise InputError(f"num_images must be an int >= 0, got {num_images!r}")
@@ -253,11 +251,18 @@ class Model:
             raise InputError("this model has no tokenizer; pass input_ids")
         if num_images and not self.is_multimodal:
             raise InputError(f"{num_images} image(s) given, but this is a text-only model")
-        content = f"{processors.IMAGE_MARKER}\n" * num_images + prompt
-        template = self.manifest.get("chat_template")
-        text = (apply_chat_template(template, [{"role": "user", "content": content}], special_tokens=self.special_tokens)
-                if template else content)
+        text = self.chat_text(f"{processors.IMAGE_MARKER}\n" * num_images + prompt)
         return np.asarray([self.processor.encode(self.tokenizer, text, image_tiles)], np.int32)
+
+    def chat_text(self, content: str) -> str:
+        """One user turn as the text `encode_chat` tokenizes: the checkpoint's chat template rendered
+        with its special tokens (`special_tokens`), or `content` itself for a model without one."""
+        from lookm_jax.convert.tokenizer import apply_chat_template
+
+        template = self.manifest.get("chat_template")
+        if not template:
+            return content
+        return apply_chat_template(template, [{"role": "user", "content": content}], special_tokens=self.special_tokens)
 
     def decode_text(self, tokens: Sequence[int]) -> str:
         """Token ids -> text, up to the first end-of-sequence token."""

@@ -87,6 +87,8 @@ def _rope_parameters(d: dict[str, Any], where: str) -> dict[str, Any]:
     return {**scaling, **parameters}
 
 
+_LLAMA_TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2}  # HF LlamaConfig's defaults
+
 # HF Qwen2Config defaults where they differ from LlamaConfig's (hub configs may omit default fields).
 _QWEN2_DEFAULTS = {"vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768}
 
@@ -160,7 +162,9 @@ class LlamaConfig:
 
         # Hub configs (e.g. llava-1.5's text_config) omit fields left at HF's LlamaConfig defaults.
         heads, hidden = integer("num_attention_heads", 32), integer("hidden_size", 4096)
-        eos = d.get("eos_token_id")
+        # Absent (not null) token ids take HF's class defaults: LlamaConfig's 1 / 2 (Qwen2Config's None),
+        # e.g. for llava-1.5's hub text_config, which omits them.
+        bos, eos = (d.get(name, _LLAMA_TOKEN_IDS[name] if model_type == "llama" else None) for name in _LLAMA_TOKEN_IDS)
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
         if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
             raise ConfigError(f"{where}: eos_token_id must be an integer or a list of them, got {d.get('eos_token_id')!r}")
@@ -180,7 +184,7 @@ class LlamaConfig:
             rope=RopeConfig.from_hf(rope, where),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
-            bos_token_id=d.get("bos_token_id"),
+            bos_token_id=bos,
             eos_token_ids=eos,
             max_position_embeddings=integer("max_position_embeddings", 2048),
         )

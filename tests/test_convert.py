@@ -10,6 +10,7 @@ import stat
 import jax
 import numpy as np
 import pytest
+import transformers
 from safetensors.numpy import load_file, save_file
 
 import lookm_jax
@@ -134,6 +135,15 @@ def test_unsupported_config_is_refused(checkpoint, tmp_path, edit, message):
     copy_with(checkpoint, tmp_path, config_edit=edit)
     with pytest.raises(ConfigError, match=message):
         lookm_jax.load(str(tmp_path))
+
+
+def test_absent_token_ids_take_hf_llama_defaults(checkpoint, tmp_path):
+    """llava-1.5's hub text_config omits eos/bos: HF's LlamaConfig then stops at 2; an explicit null stays none."""
+    copy_with(checkpoint, tmp_path, config_edit=lambda c: [c["text_config"].pop(k, None) for k in ("eos_token_id",
+                                                                                                    "bos_token_id")])
+    config, hf = lookm_jax.load(str(tmp_path)).text_config, transformers.LlamaConfig()
+    assert config.eos_token_ids == (hf.eos_token_id,) and config.bos_token_id == hf.bos_token_id
+    assert lookm_jax.load(str(checkpoint)).text_config.eos_token_ids == ()  # saved as null by transformers 5
 
 
 def test_converted_round_trip(checkpoint, tmp_path):

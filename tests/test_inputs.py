@@ -65,7 +65,7 @@ def test_a_method_name_that_is_not_a_string_is_refused():
 
 
 def test_snapkv_voting_with_an_empty_recent_window_is_refused():
-    with pytest.raises(InputError, match=r"window=None votes with the recent window \(W = M\), so it needs alpha_recent > 0"):
+    with pytest.raises(InputError, match=r"window=None votes with the recent window \(W = M\), so it needs alpha_recent > 0, got 0.0$"):
         get_method("snapkv", alpha_recent=0.0, alpha_important=0.25, window=None)
     method = get_method("snapkv", alpha_recent=0.02, alpha_important=0.25, window=None)
     method.check_prompt_lengths(np.array([50, 60]))  # 1 recent voter each

@@ -270,9 +270,12 @@ def check_run_arguments(args, jsonl: str, output: str) -> None:
         refuse_repeats(f"--{flag}", getattr(args, flag, None) or ())
     if os.path.abspath(jsonl) == os.path.abspath(output):
         raise InputError(f"--jsonl and --output are the same file ({jsonl}): the summary would overwrite the rows")
-    if args.report_only and not os.path.isfile(jsonl):
+    if not args.report_only:
+        check_output_file(jsonl, "--jsonl", create_folder=True)  # appended to, its folder made on the first row
+    elif os.path.isdir(jsonl):
+        raise InputError(f"--jsonl {jsonl} is a folder; give a file path")
+    elif not os.path.isfile(jsonl):
         raise FileNotFoundError(f"--jsonl {jsonl} does not exist (--report-only summarises the rows of an earlier run)")
-    check_output_file(jsonl, "--jsonl", create_folder=True)  # appended to, its folder made on the first row
     check_output_file(output, "--output", create_folder=args.output is None)
 
 

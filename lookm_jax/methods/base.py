@@ -55,6 +55,11 @@ class Method(abc.ABC):
         """Refuse (``InputError``) prompts of these real lengths [B] that the method cannot compress."""
 
 
+def smallest_fraction(slots: int, length: int) -> float:
+    """The smallest fraction f, rounded up to 4 decimals, with floor(f * length) >= slots."""
+    return math.ceil(slots / length * 1e4) / 1e4
+
+
 def floor_fraction(alpha: float, valid: jax.Array) -> jax.Array:
     """[B] int32 floor(alpha * L_b) of each row's valid length, exactly as Python's int(alpha * L).
 
@@ -127,12 +132,11 @@ class ScorerMethod(Method):
         shortest = int(np.min(lengths))
         if math.floor(self.alpha_recent * shortest) + math.floor(self.alpha_important * shortest) >= 1:
             return
-        # The smallest budget b (split evenly) with floor(b / 2 * L) >= 1, rounded up to 4 decimals.
-        smallest = math.ceil(2 / shortest * 1e4) / 1e4
-        raise InputError(
+        raise InputError(  # a budget b splits evenly: floor(b / 2 * L) >= 1 needs b >= 2 / L
             f"budget {self.alpha_recent + self.alpha_important:g} (alpha_recent={self.alpha_recent:g}, "
             f"alpha_important={self.alpha_important:g}) keeps no slot of a {shortest}-token prompt; the smallest "
-            f"budget that keeps one is {smallest:g} (or one alpha of {math.ceil(1 / shortest * 1e4) / 1e4:g})")
+            f"budget that keeps one is {smallest_fraction(2, shortest):g} (or one alpha of "
+            f"{smallest_fraction(1, shortest):g})")
 
     def __call__(self, queries, keys, values, is_image, valid, stats=None) -> CompressedKV:
         if self.statistics:

@@ -7,7 +7,7 @@ import math
 
 from lookm_jax.checks import is_int_at_least
 from lookm_jax.errors import InputError
-from lookm_jax.methods.base import ScorerMethod
+from lookm_jax.methods.base import ScorerMethod, smallest_fraction
 from lookm_jax.scoring import window_scores
 from lookm_jax.select import recent_mask
 
@@ -39,7 +39,8 @@ class SnapKV(ScorerMethod):
         if self.window is not None and not is_int_at_least(self.window, 1):
             raise InputError(f"window must be an int >= 1 or None, got {self.window!r}")
         if self.window is None and self.alpha_recent == 0:
-            raise InputError("window=None votes with the recent window (W = M), so it needs alpha_recent > 0")
+            raise InputError("window=None votes with the recent window (W = M), so it needs alpha_recent > 0, "
+                             f"got {self.alpha_recent!r}")
 
     def check_prompt_lengths(self, lengths) -> None:
         """As every scorer, and with window=None each row's recent window (its voters) must hold a token."""
@@ -48,7 +49,7 @@ class SnapKV(ScorerMethod):
         if self.window is None and math.floor(self.alpha_recent * shortest) < 1:
             raise InputError(f"window=None votes with the recent window, and alpha_recent={self.alpha_recent:g} keeps "
                              f"no recent slot of a {shortest}-token prompt (needs alpha_recent >= "
-                             f"{math.ceil(1 / shortest * 1e4) / 1e4:g})")
+                             f"{smallest_fraction(1, shortest):g})")
 
     def queries_read(self, bucket_len: int) -> int:
         """W, or with window=None the largest per-row M = floor(alpha_recent * L) for this bucket."""

@@ -58,9 +58,11 @@ class Encoder:
         boundaries = []  # (answer start, answer end) in characters of the full text
         for user, assistant in turns:
             messages.append({"role": "user", "content": user})
-            prefix = apply_chat_template(self.chat_template, messages, True, self.special_tokens)
+            prefix = apply_chat_template(self.chat_template, messages, add_generation_prompt=True,
+                                         special_tokens=self.special_tokens)
             messages.append({"role": "assistant", "content": assistant})
-            full = apply_chat_template(self.chat_template, messages, False, self.special_tokens)
+            full = apply_chat_template(self.chat_template, messages, add_generation_prompt=False,
+                                       special_tokens=self.special_tokens)
             if not full.startswith(prefix):
                 raise ValueError("the chat template does not render a turn's prompt as a prefix of the turn")
             boundaries.append((len(prefix), len(full.rstrip())))

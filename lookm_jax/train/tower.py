@@ -174,10 +174,10 @@ def fit_head(cfg, tower: dict, data: dict[str, np.ndarray], seed: int, steps: in
 
 
 def check_finite(stage: str, loss: float, step: int, learning_rate: float) -> None:
-    """Stop a diverged run before it checkpoints or exports NaN weights (the last checkpoint stays)."""
+    """Stop a diverged run before it checkpoints or exports NaN weights (an earlier checkpoint stays)."""
     if not math.isfinite(loss):
         raise ValueError(f"{stage} loss became {loss} at step {step} (learning rate {learning_rate:g}: too high?); "
-                         "stopped before writing it, so the last checkpoint stays")
+                         "stopped before writing anything of that step")
 
 
 def pretrain(cfg, tower: dict, preprocess: Callable[[list], np.ndarray], config: PretrainConfig,
