@@ -64,12 +64,24 @@ def check_output_folder(path: str, name: str) -> None:
         raise InputError(f"{name} {path}: cannot write into {existing}")
 
 
+def _refuse_folder(path: str, name: str) -> None:
+    if os.path.isdir(path):
+        raise InputError(f"{name} {path} is a folder; give a file path")
+
+
+def check_input_file(path: str, name: str, why: str) -> None:
+    """Refuse an input file `name` at `path` that is a folder (InputError) or does not exist
+    (FileNotFoundError, saying `why` the file is read)."""
+    _refuse_folder(path, name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{name} {path} does not exist ({why})")
+
+
 def check_output_file(path: str, name: str, create_folder: bool = False) -> None:
     """Refuse an output file `name` at `path` that is a folder (InputError), whose folder does not
     exist (FileNotFoundError; with `create_folder` a missing folder is made on save and only its
     nearest existing part is checked) or cannot be written into (InputError)."""
-    if os.path.isdir(path):
-        raise InputError(f"{name} {path} is a folder; give a file path")
+    _refuse_folder(path, name)
     folder = os.path.dirname(os.path.abspath(path))
     existing = nearest_existing(folder)
     if not os.path.isdir(existing):

@@ -18,7 +18,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from lookm_jax.checks import check_output_file
+from lookm_jax.checks import check_input_file, check_output_file
 from lookm_jax.errors import MAX_SEED, InputError
 from lookm_jax.eval import jsonl
 from lookm_jax.eval.jsonl import Field
@@ -270,12 +270,10 @@ def check_run_arguments(args, jsonl: str, output: str) -> None:
         refuse_repeats(f"--{flag}", getattr(args, flag, None) or ())
     if os.path.abspath(jsonl) == os.path.abspath(output):
         raise InputError(f"--jsonl and --output are the same file ({jsonl}): the summary would overwrite the rows")
-    if not args.report_only:
+    if args.report_only:
+        check_input_file(jsonl, "--jsonl", "--report-only summarises the rows of an earlier run")
+    else:
         check_output_file(jsonl, "--jsonl", create_folder=True)  # appended to, its folder made on the first row
-    elif os.path.isdir(jsonl):
-        raise InputError(f"--jsonl {jsonl} is a folder; give a file path")
-    elif not os.path.isfile(jsonl):
-        raise FileNotFoundError(f"--jsonl {jsonl} does not exist (--report-only summarises the rows of an earlier run)")
     check_output_file(output, "--output", create_folder=args.output is None)
 
 

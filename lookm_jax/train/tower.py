@@ -205,8 +205,9 @@ def pretrain(cfg, tower: dict, preprocess: Callable[[list], np.ndarray], config:
     bar = tqdm(range(config.steps), desc="pretrain tower", unit="step", disable=not progress)
     for s in bar:
         params, opt_state, loss, acc = step(params, opt_state, sample_batch(data, config.batch_size, rng))
-        check_finite("stage-0", float(loss), s + 1, config.learning_rate)
-        log.append({"pretrain_step": s + 1, "loss": float(loss),
+        loss = float(loss)
+        check_finite("stage-0", loss, s + 1, config.learning_rate)
+        log.append({"pretrain_step": s + 1, "loss": loss,
                     **{f"{name}_accuracy": float(v) for name, v in acc.items()}})
         bar.set_postfix(loss=f"{log[-1]['loss']:.3f}", shape=f"{log[-1]['shape_accuracy']:.2f}")
     params = jax.device_get(params)

@@ -331,9 +331,10 @@ def train(model, config: TrainConfig, output: str, *, trainable: dict | None = N
             rng = np.random.default_rng([config.seed, step])
             arrays["anchor"] = tower.sample_batch(anchor_data, config.anchor_batch_size, rng)
         trainable, opt_state, loss, step_metrics = train_step(trainable, opt_state, text_params, arrays)
-        tower.check_finite("stage-1", float(loss), step, config.learning_rate)
+        loss = float(loss)
+        tower.check_finite("stage-1", loss, step, config.learning_rate)
         tokens += int(batch.valid.sum())
-        record = {"step": step, "loss": float(loss),
+        record = {"step": step, "loss": loss,
                   **{k: float(v) for k, v in step_metrics.items()},
                   "pictures": int(batch.pixel_values.shape[0] // batch.ids.shape[0])}
         bar.update(1)
