@@ -23,7 +23,7 @@ GROUP_HELP = {"eval": "evaluate methods on a benchmark", "plot": "draw figures",
 COMMAND_MODULES: dict[str, tuple[str, ...]] = {
     "eval": ("lookm_jax.eval.milebench", "lookm_jax.eval.needle", "lookm_jax.eval.scenes"),
     "plot": ("lookm_jax.plots",),
-    "train": ("lookm_jax.train.command",),
+    "train": ("lookm_jax.train.command", "lookm_jax.train.decoder_command"),
 }
 
 

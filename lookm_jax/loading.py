@@ -38,6 +38,12 @@ DEMO_VISION_WEIGHTS = os.path.join(os.path.dirname(__file__), "assets", "demo_vi
 DEMO_VISION_NOTE = ("the vision tower and projector come from short training runs here (3000 tower-only steps, then "
                     "600 through the frozen decoder) on procedural scenes of coloured shapes (lookm_jax.scenes): 80% "
                     "of held-out questions right against ~35% by chance, so they see such shapes but not reliably")
+DEMO_ADAPTERS_WEIGHTS = os.path.join(os.path.dirname(__file__), "assets", "demo_adapters.safetensors")
+# What the demo's decoder is by default: "frozen" (SmolLM2 as shipped in the GGUF) until stage 2's
+# adapters (`lookm train decoder`) ship in DEMO_ADAPTERS_WEIGHTS, then "trained".
+DEMO_DECODER = "frozen"
+DEMO_DECODER_NOTE = ("SmolLM2-135M-Instruct with stage-2 adapters (`lookm train decoder`) folded into its weights: "
+                     "trained here to answer about 1-16 pictures of coloured shapes, text replayed from the frozen model")
 DEMO_SEED = 0
 # Bump when the demo's construction or the GGUF conversion changes: the cache is keyed by it and by the
 # GGUF's content (`demo_key`), so a demo of another build or other weights is never silently reused.
@@ -175,15 +181,57 @@ def read_demo_vision(path: str = DEMO_VISION_WEIGHTS) -> dict:
         raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
 
 
-def build_demo(gguf_path: str | None = None, vision: str = "trained") -> tuple[dict, dict, str]:
+def read_demo_adapters(path: str, text_params: dict):
+    """Adapters exported by `lookm train decoder` (`decoder.export_adapters`: b already scaled), checked
+    against runtime text params; ValueError naming the first tensor that does not fit."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    from lookm_jax.train import adapters
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"the demo's decoder adapters are missing: {path} "
+                                "(reinstall lookm-jax, or train them with `lookm train decoder`)")
+    try:
+        flat = {k: v.astype(np.float32) for k, v in load_file(path).items()}
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
+    return adapters.unflatten(flat, text_params)
+
+
+def _vision_params(vision: str, hf_config: dict) -> dict:
+    if vision == "trained":
+        return read_demo_vision()
+    if vision == "init":
+        return demo_vision_init(hf_config)
+    return read_demo_vision(vision)
+
+
+def _fold_adapters(text_config: dict, stored_text: dict, path: str) -> dict:
+    """Stored text params with the adapters of `path` folded in (`adapters.fold`, in the runtime
+    layout, then back to the stored one)."""
+    from lookm_jax.train import adapters
+
+    cfg = parse_config(text_config)
+    runtime = llama.runtime_params(cfg, jax.tree.map(jnp.asarray, stored_text))
+    folded = adapters.fold(runtime, read_demo_adapters(path, runtime), 1.0)  # exported b carries the scale
+    return llama.stored_params(cfg, folded)
+
+
+def build_demo(gguf_path: str | None = None, vision: str = "trained", decoder: str = DEMO_DECODER) -> tuple[dict, dict, str]:
     """-> (manifest, numpy params, tokenizer json) of the demo model, from the SmolLM2 GGUF.
 
-    vision: "trained" (the shipped weights) or "init" (the seeded start of `lookm train vision`).
+    vision: "trained" (the shipped tower + projector), "init" (the seeded start of `lookm train
+    vision`) or a demo_vision.safetensors path. decoder: "frozen" (SmolLM2 as the GGUF holds it),
+    "trained" (the shipped stage-2 adapters folded into its weights) or an adapters file of
+    `lookm train decoder`.
     """
     from lookm_jax.convert.gguf import read_gguf, smollm2_gguf_path
 
-    if vision not in ("trained", "init"):
-        raise ValueError(f"vision must be 'trained' or 'init', got {vision!r}")
+    if vision not in ("trained", "init") and not os.path.isfile(vision):
+        raise ValueError(f"vision must be 'trained', 'init' or a weights file, got {vision!r}")
+    if decoder not in ("trained", "frozen") and not os.path.isfile(decoder):
+        raise ValueError(f"decoder must be 'trained', 'frozen' or an adapters file, got {decoder!r}")
     gguf_path = gguf_path or smollm2_gguf_path()
     ckpt = read_gguf(gguf_path)
     text_config = ckpt.config
@@ -195,24 +243,27 @@ def build_demo(gguf_path: str | None = None, vision: str = "trained") -> tuple[d
     hf_config = {"model_type": "llava", "text_config": text_config, "vision_config": DEMO_VISION,
                  "image_token_index": image_token_id, "vision_feature_layer": -1,
                  "vision_feature_select_strategy": "default", "projector_hidden_act": "gelu"}
-    vision_params = read_demo_vision() if vision == "trained" else demo_vision_init(hf_config)
-    params = {"text": params_from_hf(parse_config(text_config), dict(ckpt.tensors))["text"], **vision_params}
+    text = params_from_hf(parse_config(text_config), dict(ckpt.tensors))["text"]
+    if decoder != "frozen":
+        text = _fold_adapters(text_config, text, DEMO_ADAPTERS_WEIGHTS if decoder == "trained" else decoder)
+    params = {"text": text, **_vision_params(vision, hf_config)}
     manifest = {"hf_config": hf_config, "chat_template": ckpt.chat_template, "special_tokens": _special_tokens(ckpt),
                 "image_processor": DEMO_IMAGE_PROCESSOR,
-                "vision": DEMO_VISION_NOTE if vision == "trained" else "seeded initialisation, untrained",
-                "source": os.path.abspath(gguf_path), "demo_build": demo_key(gguf_path, vision)}
+                "vision": {"trained": DEMO_VISION_NOTE, "init": "seeded initialisation, untrained"}.get(vision, vision),
+                "decoder": {"trained": DEMO_DECODER_NOTE, "frozen": "SmolLM2-135M-Instruct, frozen"}.get(decoder, decoder),
+                "source": os.path.abspath(gguf_path), "demo_build": demo_key(gguf_path, vision, decoder)}
     return manifest, params, tokenizer.to_str()
 
 
-def demo_model(vision: str = "trained", dtype=jnp.float32) -> Model:
+def demo_model(vision: str = "trained", decoder: str = DEMO_DECODER, dtype=jnp.float32) -> Model:
     """The demo model built in memory, uncached (`build_demo`)."""
-    manifest, params, tokenizer_json = build_demo(vision=vision)
+    manifest, params, tokenizer_json = build_demo(vision=vision, decoder=decoder)
     return _from_manifest(manifest, params, tokenizer_json, dtype)
 
 
-def demo_key(gguf_path: str, vision: str = "trained") -> str:
+def demo_key(gguf_path: str, vision: str = "trained", decoder: str = DEMO_DECODER) -> str:
     """DEMO_BUILD and a fingerprint of the content: sha256 of the GGUF's size and first and last MiB,
-    and of the shipped vision weights (whole: 9 MiB) when they are used.
+    and of the shipped vision weights and adapters (whole: 9 + 8 MiB) when they are used.
 
     Cheap (2 MiB read, not the whole file) and independent of the file's path and mtime, so every
     install with the same weights shares one cached demo, and other weights get their own.
@@ -223,9 +274,10 @@ def demo_key(gguf_path: str, vision: str = "trained") -> str:
         digest.update(f.read(_MIB))
         f.seek(max(0, size - _MIB))
         digest.update(f.read(_MIB))
-    if vision == "trained":
-        with open(DEMO_VISION_WEIGHTS, "rb") as f:
-            digest.update(f.read())
+    for choice, shipped in ((vision, DEMO_VISION_WEIGHTS), (decoder, DEMO_ADAPTERS_WEIGHTS)):
+        if choice not in ("init", "frozen"):
+            with open(shipped if choice == "trained" else choice, "rb") as f:
+                digest.update(f.read())
     return f"{DEMO_BUILD}-{digest.hexdigest()[:16]}"
 
 

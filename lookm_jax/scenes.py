@@ -21,7 +21,8 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (215, 35, 35), "green": (30, 160, 55), "blue": (35, 75, 215), "yellow": (240, 205, 25)}
 SHAPES = ("circle", "square", "triangle")
 HELD_OUT = ("green", "triangle")  # the colour-shape pair the training split never shows
-NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
+           "thirteen", "fourteen", "fifteen", "sixteen")
 SPLITS = {"train": 0, "heldout": 1, "combination": 2, "bench": 3}  # seed streams, disjoint by construction
 MAX_OBJECTS = 3
 # Position questions are asked only about objects this far (a fraction of the width) from the midline.
@@ -253,7 +254,16 @@ MULTI_TEMPLATES = {
     "which_picture": ("Which picture shows the {colour} {shape}?", "In which picture is the {colour} {shape}?"),
     "count_pictures": ("How many pictures show a {shape}?", "In how many pictures is there a {shape}?"),
 }
-MULTI_KINDS = tuple(MULTI_TEMPLATES)
+MULTI_KINDS = tuple(MULTI_TEMPLATES)  # the tasks stage 1 trained on (the default of `multi_picture_sample`)
+# Asked by stage 2 (`lookm_jax.train.decoder`) and `lookm eval scenes` beside MULTI_KINDS: where the
+# shape of picture k is, and "describe picture k", answered in words ("A red circle at the top left.").
+MULTI_TEMPLATES.update({
+    "picture_position": ("Is the shape in picture {k} on the left or on the right?",
+                         "Is the shape in picture {k} at the top or at the bottom?"),
+    "describe": ("Describe picture {k}.", "What does picture {k} show?",
+                 "Describe picture {k} in a few words."),
+})
+PICTURE_KINDS = tuple(MULTI_TEMPLATES)
 # A text fact: one sentence between the pictures of a training conversation, and a question about it,
 # so that stage 1 also asks about text beside pictures (without them the projected image tokens came
 # to override any question: the needle among pictures was answered with a count word). Worded apart
@@ -280,6 +290,16 @@ class MultiSample:
         return "".join(lines) + question.text
 
 
+def describe(o: SceneObject) -> str:
+    """The "describe" answer: colour, shape and where ("a red circle at the top left"; "in the
+    middle" when the centre is within the position margin of both midlines)."""
+    vertical = "top" if o.y < 0.5 - _POSITION_MARGIN else "bottom" if o.y > 0.5 + _POSITION_MARGIN else ""
+    horizontal = "left" if o.x < 0.5 - _POSITION_MARGIN else "right" if o.x > 0.5 + _POSITION_MARGIN else ""
+    where = " ".join(w for w in (vertical, horizontal) if w)
+    place = f"at the {where}" if vertical else f"on the {where}" if horizontal else "in the middle"
+    return f"a {o.colour} {o.shape} {place}"
+
+
 def multi_question(scenes: tuple[Scene, ...], rng: np.random.Generator, kind: str,
                    exclude: frozenset[int] = frozenset()) -> Question | None:
     """A question of `kind` whose answer needs the pictures, about a picture not in `exclude`
@@ -294,6 +314,20 @@ def multi_question(scenes: tuple[Scene, ...], rng: np.random.Generator, kind: st
         k = free[rng.integers(len(free))]
         o = objects[k]
         return Question(kind, text.format(k=k + 1), o.colour if kind == "picture_colour" else o.shape, k)
+    if kind == "picture_position":  # the template's axis; pictures too near its midline cannot answer
+        axis = "horizontal" if "left" in text else "vertical"
+        near = [i for i in free if abs((objects[i].x if axis == "horizontal" else objects[i].y) - 0.5) >= _POSITION_MARGIN]
+        if not near:
+            return None
+        k = near[rng.integers(len(near))]
+        low, high = ("left", "right") if axis == "horizontal" else ("top", "bottom")
+        return Question(kind, text.format(k=k + 1), low if (objects[k].x if axis == "horizontal" else objects[k].y) < 0.5
+                        else high, k)
+    if kind == "describe":
+        if not free:
+            return None
+        k = free[rng.integers(len(free))]
+        return Question(kind, text.format(k=k + 1), describe(objects[k]), k)
     if kind == "which_picture":
         pairs = [(o.colour, o.shape) for o in objects]
         unique = [i for i in free if pairs.count(pairs[i]) == 1]

@@ -8,6 +8,8 @@ compiled programs read, and `stored_params` back (Model.save):
             heads, its key, its value; G = Hq // Hkv), wo [H, Hq*D], mlp_norm [H],
             w_gate_up [I, 2, H] (each MLP row's gate and up), w_down [H, I]
             (+ b_qkv [Hkv, G + 2, D] when cfg.qkv_bias: Qwen2)
+            (+ adapters {name: {"a": [R, In], "b": [Out, R]}} for names in ADAPTED_WEIGHTS, while
+            low-rank adapters are trained on the fly; shipped adapters are folded into the weights)
 Weights are [out, in], so a batch-1 decode dot contracts each weight's minor axis (on XLA:CPU it
 streams about twice as fast as [in, out]); q/k/v and gate/up are one dot each (larger dots stream
 faster: 30 SmolLM2 layers' batch-1 dots 22.5 -> 19.5 ms), split by KV head and by MLP row so a
@@ -37,6 +39,9 @@ ATTENTION_BLOCK = 256
 # (its last query's causal span): the compiled program does not grow with L, and the masked
 # upper triangle costs (KEY_PREFIXES + 1) / KEY_PREFIXES of the causal work instead of twice it.
 KEY_PREFIXES = 8
+# The weights a layer's low-rank adapters may update, each seen as one [Out, In] matrix (w_qkv as
+# [Hkv * (G + 2) * D, H], w_gate_up as [I * 2, H]): `dense` applies them, train/adapters.py folds them.
+ADAPTED_WEIGHTS = ("w_qkv", "wo", "w_gate_up", "w_down")
 _MASKED = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     """[D/2] float32 inverse frequencies, with Llama-3 scaling when configured (HF's formula)."""
@@ -182,10 +187,18 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
     return out[:, :, :length], stats
 
 
-def dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x [..., In] @ w[Out, In].T (+ b [Out])."""
+def dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None, adapter: dict | None = None) -> jax.Array:
+    """x [..., In] @ w[Out, In].T (+ b [Out]) (+ a low-rank update (x @ a.T) @ b.T, `adapter` =
+    {"a": [R, In], "b": [Out, R]}: LoRA applied on the fly, `lookm_jax.train.adapters`)."""
     y = jnp.einsum("...i,oi->...o", x, w)
+    if adapter is not None:
+        y = y + jnp.einsum("...r,or->...o", jnp.einsum("...i,ri->...r", x, adapter["a"]), adapter["b"])
     return y if b is None else y + b
+
+
+def _adapter(lp: dict, name: str) -> dict | None:
+    """The layer's low-rank adapter of weight `name` (ADAPTED_WEIGHTS), if it carries one."""
+    return lp.get("adapters", {}).get(name)
 
 
 def project_qkv(cfg: LlamaConfig, lp: dict, h: jax.Array, cos: jax.Array, sin: jax.Array):
@@ -194,7 +207,7 @@ def project_qkv(cfg: LlamaConfig, lp: dict, h: jax.Array, cos: jax.Array, sin: j
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
     w = lp["w_qkv"]  # [Hkv, G + 2, D, H], used as one [out, in] matrix (a 3-D contraction gets transposed)
     bias = lp["b_qkv"].reshape(-1) if cfg.qkv_bias else None  # Qwen2
-    qkv = dense(x, w.reshape(-1, w.shape[-1]), bias).reshape(b, length, *w.shape[:3])
+    qkv = dense(x, w.reshape(-1, w.shape[-1]), bias, _adapter(lp, "w_qkv")).reshape(b, length, *w.shape[:3])
     qkv = qkv.transpose(0, 2, 3, 1, 4)  # [B, Hkv, G + 2, L, D]
     group = cfg.num_heads // cfg.num_kv_heads
     q = qkv[:, :, :group].reshape(b, cfg.num_heads, length, cfg.head_dim)
@@ -204,11 +217,11 @@ def project_qkv(cfg: LlamaConfig, lp: dict, h: jax.Array, cos: jax.Array, sin: j
 def finish_layer(cfg: LlamaConfig, lp: dict, h: jax.Array, attn: jax.Array) -> jax.Array:
     """Residual output projection, then the SwiGLU MLP block. attn [B, Hq, L, D] -> h [B, L, H]."""
     b, _, length, _ = attn.shape
-    h = h + dense(attn.transpose(0, 2, 1, 3).reshape(b, length, -1), lp["wo"])
+    h = h + dense(attn.transpose(0, 2, 1, 3).reshape(b, length, -1), lp["wo"], adapter=_adapter(lp, "wo"))
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
     w = lp["w_gate_up"]  # [I, 2, H], one [out, in] matrix
-    gate_up = dense(x, w.reshape(-1, w.shape[-1])).reshape(b, length, -1, 2)  # [B, L, I, 2]
-    return h + dense(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1], lp["w_down"])
+    gate_up = dense(x, w.reshape(-1, w.shape[-1]), adapter=_adapter(lp, "w_gate_up")).reshape(b, length, -1, 2)  # [B, L, I, 2]
+    return h + dense(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1], lp["w_down"], adapter=_adapter(lp, "w_down"))
 
 
 def final_hidden(cfg: LlamaConfig, params: dict, h: jax.Array) -> jax.Array:

@@ -24,7 +24,7 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("gpu.py", ["--tiny", "--json", BENCH], "argument --json: must be a file in an existing folder"),
     ("sizes.py", ["--prompt", "100"], "--prompt must be more than 576 tokens (LLaVA-v1.5-7B's one image), got 100"),
     ("sizes.py", ["--budgets", "0.2", "1.5"], "argument --budgets: budget must be a fraction in (0, 1], got 1.5"),
-    ("merge_analysis.py", ["--pictures", "1"], "--pictures must be in [2, 10], got 1"),
+    ("merge_analysis.py", ["--pictures", "1"], "--pictures must be in [2, 16], got 1"),
     ("merge_analysis.py", ["--budgets", "nan"], "argument --budgets: budget must be a fraction in (0, 1], got nan"),
     ("peers_kvpress.py", ["--seed", "-1"], "argument --seed: must be an integer in [0, 4294967295], got -1"),
     ("oracle_tokens.py", ["--learning-rate", "0"], "argument --learning-rate: must be a finite number > 0, got 0"),

@@ -156,8 +156,8 @@ def test_eval_scenes_end_to_end_resumes_and_reports(demo, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--pictures", "1"], "--pictures must each be in [2, 10], got [1]"),
-    (["--pictures", "11"], "--pictures must each be in [2, 10], got [11]"),
+    (["--pictures", "1"], "--pictures must each be in [2, 16], got [1]"),
+    (["--pictures", "17"], "--pictures must each be in [2, 16], got [17]"),
     (["--samples", "0"], "need --samples, --batch-size and --max-new-tokens >= 1"),
     (["--methods", "bogus"], "unknown methods ['bogus']"),
     (["--budgets", "0"], "budgets must be fractions in (0, 1]"),
@@ -342,3 +342,28 @@ def test_decoder_ceiling_bench_describes_scenes_and_scores_content(tmp_path):
     assert set(results) == {"plain", "one-word instruction"}
     for by_rule in results.values():
         assert set(by_rule["content"]) == {"all", *scenes.KINDS} and 0 <= by_rule["content"]["all"] <= 1
+
+
+def test_stage_two_kinds_answer_from_the_picture_they_name():
+    """"describe" names picture k's colour, shape and place; "picture_position" its side or half
+    (pictures too near that midline are never asked); a description is scored on colour and shape."""
+    assert scenes.describe(scenes.SceneObject("red", "circle", 0.2, 0.2, 0.1)) == "a red circle at the top left"
+    assert scenes.describe(scenes.SceneObject("blue", "square", 0.5, 0.8, 0.1)) == "a blue square at the bottom"
+    assert scenes.describe(scenes.SceneObject("green", "triangle", 0.9, 0.5, 0.1)) == "a green triangle on the right"
+    assert scenes.describe(scenes.SceneObject("yellow", "circle", 0.5, 0.5, 0.1)) == "a yellow circle in the middle"
+    for kind in ("describe", "picture_position"):
+        for i in range(40):
+            sample = scenes.multi_picture_sample("bench", 0, i, 8, 1, kinds=(kind,))
+            (q,) = sample.questions
+            o = sample.scenes[q.subject].objects[0]
+            assert f"picture {q.subject + 1}" in q.text.lower()
+            if kind == "describe":
+                assert q.answer == scenes.describe(o)
+            else:
+                value = o.x if "left" in q.text else o.y
+                assert abs(value - 0.5) >= 0.14 and q.answer == {"left": ("left", "right"), "top": ("top", "bottom")}[
+                    "left" if "left" in q.text else "top"][int(value > 0.5)]
+    assert bench.is_correct("a red circle at the top left", "A red circle at the bottom.")
+    assert not bench.is_correct("a red circle at the top left", "A blue circle, next to a red square.")
+    assert not bench.is_correct("a red circle at the top left", "Red.")
+    assert bench.is_correct("left", "Left.") and "describe" in bench.TASKS

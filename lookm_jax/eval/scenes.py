@@ -24,7 +24,7 @@ from lookm_jax.cli_args import path_arg, seed_arg
 from lookm_jax.eval import harness, needle
 from lookm_jax.eval.jsonl import Field
 
-TASKS = scenes.MULTI_KINDS + ("needle",)
+TASKS = scenes.PICTURE_KINDS + ("needle",)
 KEY_FIELDS = ("seed", "pictures", "task", "asked", "sample")
 # Where a sample's question is: in the prompt (its first answer token then comes from the prefill's
 # logits, computed before compression) or after compression (fed through the compressed cache).
@@ -44,9 +44,23 @@ def first_word(text: str) -> str:
     return words[0] if words else ""
 
 
+def described(answer: str, output: str) -> bool:
+    """A "describe" answer ("a red circle at the top left") is right when the output's first colour
+    word and first shape word are the picture's (where it is, is not scored)."""
+    words = re.findall(r"[a-z]+", output.lower())
+    first = lambda options: next((w for w in words if w in options), None)  # noqa: E731
+    _, colour, shape = answer.split()[:3]
+    return first(scenes.COLOURS) == colour and first(scenes.SHAPES) == shape
+
+
 def is_correct(answer: str, output: str) -> bool:
-    """A needle's 4 digits as a whole number (`needle.is_correct`); a scene answer as the first word."""
-    return needle.is_correct(answer, output) if answer.isdigit() else first_word(output) == answer
+    """A needle's 4 digits as a whole number (`needle.is_correct`); a description by its colour and
+    shape (`described`); any other scene answer as the first word."""
+    if answer.isdigit():
+        return needle.is_correct(answer, output)
+    if answer.startswith("a "):
+        return described(answer, output)
+    return first_word(output) == answer
 
 
 def task_prompts(model, task: str, pictures: int, n: int, seed: int, asked: str = ASKED[0]) -> list[harness.Prompt]:
@@ -59,7 +73,7 @@ def task_prompts(model, task: str, pictures: int, n: int, seed: int, asked: str 
     if task == "needle":
         if asked != ASKED[0]:
             raise ValueError("the needle task asks its question in the prompt; --ask-after-compression "
-                             f"applies to the picture tasks {scenes.MULTI_KINDS}")
+                             f"applies to the picture tasks {scenes.PICTURE_KINDS}")
         samples = _needle_samples(model, pictures, n, seed)
         if samples is None:
             least = next((p for p in range(pictures + 1, len(scenes.NUMBERS)) if _needle_samples(model, p, 1, seed)),
@@ -237,7 +251,7 @@ def cmd_scenes(args) -> int:
     if bad:
         raise ValueError(f"--pictures must each be in [2, {len(scenes.NUMBERS) - 1}], got {bad}")
     if asked == ASKED[1] and "needle" in args.tasks:
-        raise ValueError(f"--ask-after-compression applies to the picture tasks {scenes.MULTI_KINDS}; drop needle "
+        raise ValueError(f"--ask-after-compression applies to the picture tasks {scenes.PICTURE_KINDS}; drop needle "
                          "from --tasks")
     configs = harness.sweep_configs(["full"] if args.mode == "calibrate" else (args.methods or METHODS),
                                     args.budgets or harness.DEFAULT_BUDGETS)

@@ -133,10 +133,14 @@ class BatchSpec:
     # `pictures`); pixel_values stay [batch_size * pictures, ...], blank pictures padding the end.
     min_pictures: int | None = None
     text_facts: bool = False  # multi-picture samples: one turn asks about a sentence (`scenes.FACT_SENTENCE`)
+    kinds: tuple[str, ...] = scenes.MULTI_KINDS  # multi-picture question kinds (`scenes.MULTI_TEMPLATES`)
 
     def __post_init__(self):
-        if self.min_pictures is not None and not 2 <= self.min_pictures <= self.pictures:
-            raise ValueError(f"min_pictures must be in [2, pictures={self.pictures}], got {self.min_pictures}")
+        if self.min_pictures is not None and not 1 <= self.min_pictures <= self.pictures:
+            raise ValueError(f"min_pictures must be in [1, pictures={self.pictures}], got {self.min_pictures}")
+        unknown = set(self.kinds) - set(scenes.PICTURE_KINDS)
+        if unknown:
+            raise ValueError(f"unknown question kinds {sorted(unknown)}; expected some of {scenes.PICTURE_KINDS}")
 
     def picture_count(self, split: str, seed: int, index: int) -> int:
         """The number of pictures of multi-picture sample `index` (seeded by the sample)."""
@@ -154,7 +158,7 @@ class BatchSpec:
             pictures = [scenes.render(s.scene, image_size) for s in samples]
         else:
             multi = [scenes.multi_picture_sample(split, seed, i, self.picture_count(split, seed, i), self.turns,
-                                                 text_fact=self.text_facts) for i in indices]
+                                                 self.kinds, text_fact=self.text_facts) for i in indices]
             conversations = [multi_picture_conversation(s) for s in multi]
             pictures = [scenes.render(scene, image_size) for s in multi for scene in s.scenes]
             # Features fill the placeholders in order (`llava.embed`), so trailing pictures are unused.

@@ -20,9 +20,8 @@ import functools
 import json
 import os
 import time
-from typing import Callable
+from typing import Callable, ClassVar
 
-import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,9 +31,8 @@ from lookm_jax.checks import is_real
 from lookm_jax.models import llama, llava
 from lookm_jax.train.data import Batch, BatchSpec, Encoder, single_picture_spec
 from lookm_jax.train import tower
+from lookm_jax.train.checkpoint import CHECKPOINT, LOG, arrays_of, load_checkpoint, save_checkpoint, truncate_log, write_atomic
 
-CHECKPOINT = "checkpoint.msgpack"
-LOG = "log.jsonl"
 # Records written to LOG before stage 1's first step, each keyed by one of these: stage 0's steps
 # (`tower.pretrain`) and the anchor head's fit on a starting tower (`tower.fit_head`).
 PRELUDE_KEYS = ("pretrain_step", "anchor_head_fit")
@@ -69,6 +67,7 @@ class TrainConfig:
     anchor_batch_size: int = 16  # labelled scenes per step, drawn from anchor_scenes of stage 0's stream
     anchor_scenes: int = 4096
     pretrain: tower.PretrainConfig | None = tower.PretrainConfig()  # stage 0 (tower alone), run before step 1
+    FREE_ON_RESUME: ClassVar[tuple[str, ...]] = ("eval_every", "checkpoint_every", "eval_samples")
 
     def __post_init__(self):
         for name in ("steps", "eval_every", "checkpoint_every", "eval_samples", "multi_every"):
@@ -169,80 +168,6 @@ def make_step(cfg, tx: optax.GradientTransformation, image_norm_weight: float = 
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def _arrays(batch: Batch) -> dict:
-    return {f.name: jnp.asarray(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-# TrainConfig fields a resumed run may change: they do not move the parameters.
-_FREE_ON_RESUME = ("eval_every", "checkpoint_every", "eval_samples")
-
-
-def _settings(config: TrainConfig) -> dict:
-    """The config fields a checkpoint must be resumed with, as JSON values."""
-    settings = json.loads(json.dumps(dataclasses.asdict(config)))
-    return {k: v for k, v in settings.items() if k not in _FREE_ON_RESUME}
-
-
-def save_checkpoint(directory: str, step: int, trainable: dict, opt_state, config: TrainConfig) -> None:
-    state = {"step": step, "trainable": jax.device_get(trainable), "opt_state": jax.device_get(opt_state),
-             "settings": json.dumps(_settings(config))}
-    _write_atomic(os.path.join(directory, CHECKPOINT), flax.serialization.to_bytes(state))
-
-
-def load_checkpoint(directory: str, trainable: dict, opt_state, config: TrainConfig) -> tuple[int, dict, object] | None:
-    """(step, trainable, opt_state) from `directory`, shaped like the given templates; None if absent.
-    Refuses (ValueError) a checkpoint that cannot be read or was written with other settings."""
-    path = os.path.join(directory, CHECKPOINT)
-    if not os.path.exists(path):
-        return None
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        state = flax.serialization.msgpack_restore(data)
-        saved = json.loads(state.pop("settings", "{}"))  # a checkpoint from before settings were saved: {}
-        if not isinstance(saved, dict):
-            raise TypeError(f"settings {saved!r}")
-    except Exception as err:  # msgpack's errors share no base class beyond Exception
-        raise ValueError(f"{path}: not a readable checkpoint ({err}); delete it or give another --output") from None
-    settings = _settings(config)
-    changed = "; ".join(f"{k}: {saved[k]} -> {v}" for k, v in settings.items() if k in saved and saved[k] != v)
-    if changed:
-        raise ValueError(f"{path} was written with other settings ({changed}); resume with the same flags or "
-                         "give another --output")
-    template = {"step": 0, "trainable": trainable, "opt_state": opt_state}
-    try:
-        state = flax.serialization.from_state_dict(template, state)
-    except (ValueError, KeyError) as err:
-        raise ValueError(f"{path}: does not match this run's parameters ({err}); resume with the same flags "
-                         "or give another --output") from None
-    return int(state["step"]), jax.device_put(state["trainable"]), jax.device_put(state["opt_state"])
-
-
-def _truncate_log(path: str, step: int) -> None:
-    """Drop log records past the checkpoint (a killed run logged steps it will now redo)."""
-    if os.path.exists(path):
-        with open(path) as f:
-            lines = [line for line in f if line.strip() and _complete_step(line) <= step]
-        _write_atomic(path, "".join(lines).encode())
-
-
-def _complete_step(line: str) -> float:
-    """A record's step (0 for stage 0's records); inf for a line cut short by the kill."""
-    try:
-        return json.loads(line).get("step", 0)
-    except ValueError:
-        return float("inf")
-
-
 class HeldOut:
     """Teacher-forced answer-token accuracy on fixed held-out batches (single pictures, and the
     held-out colour-shape combination)."""
@@ -250,7 +175,7 @@ class HeldOut:
     def __init__(self, encoder: Encoder, config: TrainConfig, image_size: int, batch_size: int = 16):
         spec = single_picture_spec(batch_size, turns=1)
         count = -(-config.eval_samples // batch_size)
-        self.batches = {split: [_arrays(spec.make(encoder, split, config.seed, i * batch_size, image_size))
+        self.batches = {split: [arrays_of(spec.make(encoder, split, config.seed, i * batch_size, image_size))
                                 for i in range(count)] for split in ("heldout", "combination")}
 
     def __call__(self, metrics: Callable, trainable: dict, text_params: dict) -> dict[str, float]:
@@ -295,7 +220,7 @@ def train(model, config: TrainConfig, output: str, *, trainable: dict | None = N
                                         config.anchor_scenes) if anchored else None
     if restored is not None:
         step, trainable, opt_state = restored
-        _truncate_log(os.path.join(output, LOG), step)
+        truncate_log(os.path.join(output, LOG), step)
     else:
         records = []
         if config.pretrain is not None and batch_fn is None:
@@ -326,7 +251,7 @@ def train(model, config: TrainConfig, output: str, *, trainable: dict | None = N
     while step < last:
         step += 1
         batch = batch_fn(step)
-        arrays = _arrays(batch)
+        arrays = arrays_of(batch)
         if anchored:  # seeded by the step, as the scene batches are: a resumed run draws the same
             rng = np.random.default_rng([config.seed, step])
             arrays["anchor"] = tower.sample_batch(anchor_data, config.anchor_batch_size, rng)
@@ -362,4 +287,4 @@ def export_weights(path: str, trainable: dict, metadata: dict[str, str]) -> None
 
     exported = {k: trainable[k] for k in TRAINABLE}
     flat = {k: np.ascontiguousarray(v, np.float32) for k, v in store.flatten(jax.device_get(exported)).items()}
-    _write_atomic(path, save(flat, metadata=metadata))
+    write_atomic(path, save(flat, metadata=metadata))

@@ -1,0 +1,91 @@
+"""What every training run here shares: atomic checkpoints with the optimizer state and the settings
+that shape the run, their refusal on a changed resume, and the log truncated to the checkpoint.
+
+A run's config is a frozen dataclass; the fields named in its class attribute `FREE_ON_RESUME`
+(evaluation and checkpoint cadence) may change on resume, every other one must not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import flax.serialization
+import jax
+import jax.numpy as jnp
+
+CHECKPOINT = "checkpoint.msgpack"
+LOG = "log.jsonl"
+
+
+def arrays_of(batch) -> dict:
+    """A batch dataclass of numpy arrays -> {field: device array}."""
+    return {f.name: jnp.asarray(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def settings_of(config) -> dict:
+    """The config fields a checkpoint must be resumed with, as JSON values."""
+    settings = json.loads(json.dumps(dataclasses.asdict(config)))
+    free = getattr(type(config), "FREE_ON_RESUME", ())
+    return {k: v for k, v in settings.items() if k not in free}
+
+
+def save_checkpoint(directory: str, step: int, trainable: dict, opt_state, config) -> None:
+    state = {"step": step, "trainable": jax.device_get(trainable), "opt_state": jax.device_get(opt_state),
+             "settings": json.dumps(settings_of(config))}
+    write_atomic(os.path.join(directory, CHECKPOINT), flax.serialization.to_bytes(state))
+
+
+def load_checkpoint(directory: str, trainable: dict, opt_state, config) -> tuple[int, dict, object] | None:
+    """(step, trainable, opt_state) from `directory`, shaped like the given templates; None if absent.
+    Refuses (ValueError) a checkpoint that cannot be read or was written with other settings."""
+    path = os.path.join(directory, CHECKPOINT)
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        state = flax.serialization.msgpack_restore(data)
+        saved = json.loads(state.pop("settings", "{}"))  # a checkpoint from before settings were saved: {}
+        if not isinstance(saved, dict):
+            raise TypeError(f"settings {saved!r}")
+    except Exception as err:  # msgpack's errors share no base class beyond Exception
+        raise ValueError(f"{path}: not a readable checkpoint ({err}); delete it or give another --output") from None
+    settings = settings_of(config)
+    changed = "; ".join(f"{k}: {saved[k]} -> {v}" for k, v in settings.items() if k in saved and saved[k] != v)
+    if changed:
+        raise ValueError(f"{path} was written with other settings ({changed}); resume with the same flags or "
+                         "give another --output")
+    template = {"step": 0, "trainable": trainable, "opt_state": opt_state}
+    try:
+        state = flax.serialization.from_state_dict(template, state)
+    except (ValueError, KeyError) as err:
+        raise ValueError(f"{path}: does not match this run's parameters ({err}); resume with the same flags "
+                         "or give another --output") from None
+    return int(state["step"]), jax.device_put(state["trainable"]), jax.device_put(state["opt_state"])
+
+
+def truncate_log(path: str, step: int) -> None:
+    """Drop log records past the checkpoint (a killed run logged steps it will now redo)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            lines = [line for line in f if line.strip() and _complete_step(line) <= step]
+        write_atomic(path, "".join(lines).encode())
+
+
+def _complete_step(line: str) -> float:
+    """A record's step (0 for stage 0's records); inf for a line cut short by the kill."""
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return float("inf")

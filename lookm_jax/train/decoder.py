@@ -1,0 +1,295 @@
+"""LLaVA stage 2 in JAX: low-rank adapters on every decoder layer, trained with the projector.
+
+LLaVA-1.5's second stage (visual instruction tuning) trains the language model itself; here the
+decoder learns through LoRA adapters (`lookm_jax.train.adapters`) on each layer's fused q/k/v, output,
+fused gate/up and down projections, while the projector trains at its own rate and the tower stays as
+stage 1 left it. The loss is the cross-entropy of the answer tokens only, over conversations rendered
+with the chat template exactly as `Model.encode_chat` renders them (`lookm_jax.train.data`): single
+pictures with 1-3 objects and 1-16 one-object pictures behind "Picture k:" markers, every question
+kind of `scenes.PICTURE_KINDS`, a text fact between the pictures. Batch kinds cycle with the step
+(`DecoderConfig.batches`); each compiles once.
+
+Every step also fits a batch of text-only replay (`lookm_jax.train.replay`): the frozen decoder's own
+greedy continuations of text prompts, so that text behaviour stays the frozen model's.
+
+Checkpoints, resume and the NaN stop are stage 1's (`lookm_jax.train.checkpoint`): step s's data is
+a pure function of (seed, s), so a killed and resumed run equals an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Callable, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from lookm_jax import scenes
+from lookm_jax.checks import is_real
+from lookm_jax.models import llama, llava
+from lookm_jax.train import adapters as lora
+from lookm_jax.train import replay, tower
+from lookm_jax.train.checkpoint import CHECKPOINT, LOG, arrays_of, load_checkpoint, save_checkpoint, truncate_log
+from lookm_jax.train.data import Batch, BatchSpec, Encoder, single_picture_spec
+from lookm_jax.train.vision import embedded_answer_metrics
+
+TRAINABLE = ("adapters", "projector")
+
+
+def _pictures(batch_size: int, low: int, high: int, turns: int, length: int, max_targets: int,
+              text_facts: bool = True, kinds: tuple[str, ...] = scenes.PICTURE_KINDS) -> BatchSpec:
+    return BatchSpec(batch_size=batch_size, pictures=high, min_pictures=low, turns=turns, length=length,
+                     max_targets=max_targets, text_facts=text_facts, kinds=kinds)
+
+
+# Static lengths measured over 300 training samples each with the demo's tokenizer: at most 417 / 743 /
+# 1361 tokens and 24 / 30 / 43 answer tokens for 1-4 / 5-8 / 9-16 pictures with 4 / 6 / 8 turns.
+DEFAULT_BATCHES = (
+    single_picture_spec(batch_size=8, turns=3),
+    _pictures(4, 1, 4, turns=4, length=448, max_targets=32),
+    _pictures(2, 5, 8, turns=6, length=768, max_targets=40),
+    _pictures(1, 9, 16, turns=8, length=1408, max_targets=56),
+    _pictures(2, 5, 8, turns=6, length=768, max_targets=40),
+)
+REPLAY_LENGTH = 128  # a chat-rendered replay prompt (<= 60 tokens here) + its continuation (<= 32)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    steps: int = 1000
+    rank: int = 16
+    scale: float = 2.0  # LoRA's alpha / rank: the adapted weight is W + scale * b @ a
+    learning_rate: float = 5e-4  # the adapters' peak AdamW rate
+    projector_learning_rate: float = 2e-4
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0
+    seed: int = 0
+    batches: tuple[BatchSpec, ...] = DEFAULT_BATCHES  # step s (1-based) uses batches[(s - 1) % len]
+    replay_batch_size: int = 4  # text-only replay conversations added to every step
+    replay_weight: float = 1.0
+    image_norm_weight: float = 0.1  # stage 1's penalty on the image tokens' norms (`vision.TrainConfig`)
+    eval_every: int = 100
+    checkpoint_every: int = 10
+    eval_samples: int = 32  # held-out questions per split at each evaluation
+    FREE_ON_RESUME: ClassVar[tuple[str, ...]] = ("eval_every", "checkpoint_every", "eval_samples")
+
+    def __post_init__(self):
+        for name in ("steps", "rank", "eval_every", "checkpoint_every", "eval_samples", "replay_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("scale", "learning_rate", "projector_learning_rate", "replay_weight", "image_norm_weight"):
+            if not is_real(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if not self.learning_rate > 0 or not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"need learning_rate > 0 and 0 <= warmup_steps < steps, got "
+                             f"{self.learning_rate}, {self.warmup_steps}, {self.steps}")
+        if not self.batches:
+            raise ValueError("batches must name at least one batch kind")
+
+    def spec(self, step: int) -> BatchSpec:
+        return self.batches[(step - 1) % len(self.batches)]
+
+
+def optimizer(config: DecoderConfig) -> optax.GradientTransformation:
+    """AdamW (warmup + cosine to 2% of the peak) after global-norm clipping: the adapters at
+    `learning_rate`, the projector at `projector_learning_rate` (frozen when 0)."""
+    def adamw(peak: float) -> optax.GradientTransformation:
+        if peak == 0:
+            return optax.set_to_zero()
+        schedule = optax.warmup_cosine_decay_schedule(0.0, peak, config.warmup_steps, config.steps,
+                                                      end_value=peak * 0.02)
+        return optax.adamw(schedule, weight_decay=config.weight_decay)
+
+    return optax.chain(optax.clip_by_global_norm(config.clip_norm),
+                       optax.multi_transform({"adapters": adamw(config.learning_rate),
+                                              "projector": adamw(config.projector_learning_rate)},
+                                             lambda params: {k: k for k in params}))
+
+
+def replay_batch(bank: replay.Bank, indices, length: int = REPLAY_LENGTH) -> dict[str, np.ndarray]:
+    """Bank rows `indices` as a `Batch`-shaped dict without pictures: each prompt's ids, then its
+    frozen continuation, which is the target (`answer_start` marks its first token)."""
+    rows = len(indices)
+    out = {"ids": np.zeros((rows, length), np.int32), "valid": np.zeros((rows, length), bool),
+           "target_positions": np.zeros((rows, replay.REPLAY_TOKENS), np.int32),
+           "targets": np.zeros((rows, replay.REPLAY_TOKENS), np.int32),
+           "target_mask": np.zeros((rows, replay.REPLAY_TOKENS), bool),
+           "answer_start": np.zeros((rows, replay.REPLAY_TOKENS), bool)}
+    for row, i in enumerate(indices):
+        prompt, answer = bank.prompt_ids[i], bank.continuations[i]
+        ids = list(prompt) + list(answer)
+        if len(ids) > length:
+            raise ValueError(f"replay prompt {i} with its continuation is {len(ids)} tokens, over {length}")
+        n = len(answer)
+        out["ids"][row, :len(ids)], out["valid"][row, :len(ids)] = ids, True
+        out["target_positions"][row, :n] = np.arange(len(prompt) - 1, len(ids) - 1)
+        out["targets"][row, :n], out["target_mask"][row, :n] = answer, True
+        out["answer_start"][row, 0] = True
+    return out
+
+
+def text_metrics(text_cfg, text_params: dict, batch: dict) -> tuple[jax.Array, dict]:
+    """`vision.embedded_answer_metrics` of a text-only batch (`replay_batch`)."""
+    x = llama.embed_tokens(text_params, batch["ids"])
+    return embedded_answer_metrics(text_cfg, text_params, x, jnp.zeros(batch["ids"].shape, bool), batch)
+
+
+def metrics_fn(cfg, scale: float) -> Callable:
+    """(trainable, frozen, batch) -> (picture answer loss, metrics): the adapted model's
+    `vision.answer_metrics` (+ "replay_loss", "replay_accuracy" when batch has "replay")."""
+    def metrics(trainable, frozen, batch):
+        text = lora.apply(frozen["text"], trainable["adapters"], scale)
+        params = {"text": text, "vision": frozen["vision"], "projector": trainable["projector"]}
+        x, is_image = llava.embed(cfg, params, batch["ids"], batch["pixel_values"])
+        loss, out = embedded_answer_metrics(cfg.text, text, x, is_image, batch)
+        if "replay" in batch:
+            replay_loss, replay_out = text_metrics(cfg.text, text, batch["replay"])
+            out = {**out, "replay_loss": replay_loss, "replay_accuracy": replay_out["accuracy"]}
+        return loss, out
+    return metrics
+
+
+def make_step(cfg, tx: optax.GradientTransformation, config: DecoderConfig) -> Callable:
+    """(trainable, opt_state, frozen, batch) -> (trainable, opt_state, answer loss, metrics).
+
+    Minimises the picture answer loss + replay_weight x the replay loss + image_norm_weight x the
+    image-norm penalty. Jitted, the trainable parameters and optimizer state donated; static through
+    the closure: the model config, the optimizer and the weights. Each batch kind compiles once."""
+    metrics = metrics_fn(cfg, config.scale)
+
+    def objective(trainable, frozen, batch):
+        loss, out = metrics(trainable, frozen, batch)
+        total = loss + config.replay_weight * out["replay_loss"] + config.image_norm_weight * out["image_norm"]
+        return total, (loss, out)
+
+    def step(trainable, opt_state, frozen, batch):
+        (_, (loss, out)), grads = jax.value_and_grad(objective, has_aux=True)(trainable, frozen, batch)
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state, loss, out
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+class HeldOut:
+    """Teacher-forced first-answer-token accuracy on fixed held-out batches: single pictures, the
+    held-out colour-shape combination, 8 pictures (every one-word kind of `scenes.PICTURE_KINDS`:
+    "describe" starts with "A"), and the held-out replay prompts' continuations (every token)."""
+
+    def __init__(self, encoder: Encoder, config: DecoderConfig, image_size: int, held_out_bank: replay.Bank,
+                 batch_size: int = 8):
+        count = -(-config.eval_samples // batch_size)
+        single = single_picture_spec(batch_size, turns=1)
+        one_word = tuple(k for k in scenes.PICTURE_KINDS if k != "describe")
+        eight = _pictures(batch_size // 2, 8, 8, turns=1, length=704, max_targets=16, text_facts=False, kinds=one_word)
+        self.batches = {split: [arrays_of(single.make(encoder, split, config.seed, i * batch_size, image_size))
+                                for i in range(count)] for split in ("heldout", "combination")}
+        self.batches["eight_pictures"] = [arrays_of(eight.make(encoder, "heldout", config.seed, i * eight.batch_size,
+                                                               image_size)) for i in range(2 * count)]
+        rows = min(config.eval_samples, len(held_out_bank.prompts))
+        self.replay = [jax.tree.map(jnp.asarray, replay_batch(held_out_bank, range(i, min(i + batch_size, rows))))
+                       for i in range(0, rows, batch_size)]
+
+    def __call__(self, metrics: Callable, token_accuracy: Callable, trainable: dict, frozen: dict) -> dict[str, float]:
+        out = {f"{split}_accuracy": float(np.mean([float(metrics(trainable, frozen, b)[1]["accuracy"])
+                                                   for b in batches])) for split, batches in self.batches.items()}
+        tokens = [float(token_accuracy(trainable, frozen, b)) for b in self.replay]
+        return {**out, "replay_heldout_token_accuracy": float(np.mean(tokens))}
+
+
+def _replay_token_accuracy(cfg, scale: float) -> Callable:
+    """(trainable, frozen, replay batch) -> share of the continuation's tokens predicted (teacher-forced)."""
+    def accuracy(trainable, frozen, batch):
+        text = lora.apply(frozen["text"], trainable["adapters"], scale)
+        x = llama.embed_tokens(text, batch["ids"])
+        h = llama.forward(cfg.text, text, x, batch["valid"])
+        h = jnp.take_along_axis(h, batch["target_positions"][..., None], axis=1)
+        hit = (jnp.argmax(llama.lm_logits(text, h), -1) == batch["targets"]) & batch["target_mask"]
+        return hit.sum() / jnp.maximum(batch["target_mask"].sum(), 1)
+    return jax.jit(accuracy)
+
+
+def train(model, config: DecoderConfig, output: str, *, batch_fn: Callable[[int], Batch] | None = None,
+          replay_bank: replay.Bank | None = None, stop_after: int | None = None, progress: bool = True) -> dict:
+    """Train adapters on `model`'s decoder and its projector into `output` (resuming its checkpoint).
+
+    `batch_fn(step)` and `replay_bank` override the scene batches and the frozen model's replay bank
+    (tests use fixed ones); `stop_after` ends this call after that many steps, as a kill would after the
+    last checkpoint. Returns {"adapters": ..., "projector": ...} on the host.
+    """
+    from tqdm import tqdm
+
+    os.makedirs(output, exist_ok=True)
+    cfg = model.config
+    frozen = {"text": model.params["text"], "vision": model.params["vision"]}
+    trainable = {"adapters": lora.init(frozen["text"], config.rank, config.seed),
+                 "projector": jax.tree.map(jnp.array, model.params["projector"])}  # own copies: the step donates
+    tx = optimizer(config)
+    opt_state = tx.init(trainable)
+    step = 0
+    restored = load_checkpoint(output, trainable, opt_state, config)
+    if restored is not None:
+        step, trainable, opt_state = restored
+        truncate_log(os.path.join(output, LOG), step)
+    train_bank = replay_bank or replay.bank(model, output, "train", config.seed)
+    encoder = Encoder.of(model) if batch_fn is None else None
+    image_size = cfg.pixel_shape[-1]
+    if batch_fn is None:
+        def batch_fn(s: int) -> Batch:
+            spec = config.spec(s)
+            return spec.make(encoder, "train", config.seed, (s - 1) * spec.batch_size, image_size)
+    held_out = None
+    if encoder is not None:
+        held_out = HeldOut(encoder, config, image_size, replay.bank(model, output, "heldout", config.seed))
+    train_step = make_step(cfg, tx, config)
+    metrics = jax.jit(metrics_fn(cfg, config.scale))
+    token_accuracy = _replay_token_accuracy(cfg, config.scale)
+    last = config.steps if stop_after is None else min(config.steps, step + stop_after)
+    bar = tqdm(total=config.steps, initial=step, desc="train decoder", unit="step", disable=not progress)
+    log = open(os.path.join(output, LOG), "a")
+    start, tokens = time.perf_counter(), 0
+    while step < last:
+        step += 1
+        batch = batch_fn(step)
+        arrays = arrays_of(batch)
+        rng = np.random.default_rng([config.seed, step])  # seeded by the step: a resumed run draws the same
+        rows = rng.choice(len(train_bank.prompts), config.replay_batch_size, replace=False)
+        arrays["replay"] = jax.tree.map(jnp.asarray, replay_batch(train_bank, rows))
+        trainable, opt_state, loss, step_metrics = train_step(trainable, opt_state, frozen, arrays)
+        loss = float(loss)
+        tower.check_finite("stage-2", loss, step, config.learning_rate)
+        tokens += int(batch.valid.sum()) + int(arrays["replay"]["valid"].sum())
+        record = {"step": step, "loss": loss, **{k: float(v) for k, v in step_metrics.items()},
+                  "pictures": int(batch.pixel_values.shape[0] // batch.ids.shape[0])}
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", acc=f"{record['accuracy']:.2f}", replay=f"{record['replay_loss']:.3f}",
+                        tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
+        if held_out is not None and (step % config.eval_every == 0 or step == config.steps):
+            record.update(held_out(metrics, token_accuracy, trainable, frozen))
+            bar.write(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in record.items() if k != "step"))
+        if step % config.checkpoint_every == 0 or step == last:
+            save_checkpoint(output, step, trainable, opt_state, config)
+        record["seconds"] = round(time.perf_counter() - start, 2)
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+    bar.close()
+    log.close()
+    return jax.device_get(trainable)
+
+
+def export_adapters(path: str, adapters: lora.Adapters, scale: float, metadata: dict[str, str]) -> None:
+    """The adapters as one safetensors file ("layers.{i}.{weight}.a" / ".b"), b scaled by `scale`
+    (so that folding adds b @ a), float16, written atomically; `loading.read_demo_adapters` reads it."""
+    from safetensors.numpy import save
+
+    from lookm_jax.train.checkpoint import write_atomic
+
+    scaled = tuple({name: {"a": ad["a"], "b": scale * np.asarray(ad["b"])} for name, ad in layer.items()}
+                   for layer in adapters)
+    flat = {k: v.astype(np.float16) for k, v in lora.flatten(scaled).items()}
+    write_atomic(path, save(flat, metadata=metadata))

@@ -1,0 +1,76 @@
+"""`lookm train decoder`: LLaVA stage 2 on the demo (adapters on the SmolLM2 decoder + the projector)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from lookm_jax.checks import check_output_folder
+from lookm_jax.cli_args import finite_float, int_at_least, path_arg, positive_float, seed_arg
+
+ADAPTERS_FILE, VISION_FILE = "demo_adapters.safetensors", "demo_vision.safetensors"
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "decoder",
+        help="train the demo's decoder (low-rank adapters) and projector on multi-picture conversations (stage 2)",
+        description="LLaVA's stage 2 on the demo: LoRA adapters on every SmolLM2 layer and the projector learn "
+                    "answers about 1-16 pictures, with the frozen decoder's own continuations of text prompts replayed "
+                    "every step. The tower stays as shipped. Resumes from OUTPUT's checkpoint; writes "
+                    f"{ADAPTERS_FILE} and {VISION_FILE} (tower + trained projector) at the end.")
+    p.add_argument("--output", type=path_arg, required=True, help="run folder: checkpoint, log.jsonl, replay banks, "
+                   "exported weights (required)")
+    p.add_argument("--steps", type=int_at_least(2), default=1000, help="steps (the cosine schedule's length)")
+    p.add_argument("--rank", type=int_at_least(1), default=16, help="adapter rank")
+    p.add_argument("--scale", type=positive_float, default=2.0, help="adapter scale (LoRA's alpha / rank)")
+    p.add_argument("--learning-rate", type=positive_float, default=5e-4, help="the adapters' peak AdamW rate")
+    p.add_argument("--projector-learning-rate", type=finite_float, default=2e-4,
+                   help="the projector's peak rate, >= 0 (0 keeps the shipped projector)")
+    p.add_argument("--warmup-steps", type=int_at_least(0), default=30, help="linear warmup steps")
+    p.add_argument("--replay-batch-size", type=int_at_least(1), default=4, help="text-only replay prompts per step")
+    p.add_argument("--replay-weight", type=finite_float, default=1.0, help="weight of the replay loss, >= 0")
+    p.add_argument("--eval-every", type=int_at_least(1), default=100, help="steps between held-out accuracy checks")
+    p.add_argument("--checkpoint-every", type=int_at_least(1), default=10, help="steps between checkpoints")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the data streams and the adapters' init")
+    p.add_argument("--stop-after", type=int_at_least(0),
+                   help="end this call after N steps, resumable; 0 exports OUTPUT's checkpoint (default: run to --steps)")
+    p.set_defaults(func=cmd_decoder)
+
+
+def decoder_config(args):
+    """The parsed flags -> a `DecoderConfig`; a bad value raises ValueError naming its flag."""
+    from lookm_jax.train import decoder
+
+    if args.warmup_steps >= args.steps:
+        raise ValueError(f"--warmup-steps must be < --steps, got {args.warmup_steps} and {args.steps}")
+    for flag in ("projector_learning_rate", "replay_weight"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    return decoder.DecoderConfig(
+        steps=args.steps, rank=args.rank, scale=args.scale, learning_rate=args.learning_rate,
+        projector_learning_rate=args.projector_learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
+        replay_batch_size=args.replay_batch_size, replay_weight=args.replay_weight, eval_every=args.eval_every,
+        checkpoint_every=args.checkpoint_every)
+
+
+def cmd_decoder(args) -> int:
+    import dataclasses
+
+    from lookm_jax import loading
+    from lookm_jax.train import checkpoint, decoder, vision
+
+    config = decoder_config(args)
+    check_output_folder(args.output, "--output")  # a new run's folder, or a run's to resume it
+    if args.stop_after == 0 and not os.path.isfile(os.path.join(args.output, checkpoint.CHECKPOINT)):
+        raise ValueError(f"--stop-after 0 exports the run's checkpoint, and {args.output} has none")
+    model = loading.demo_model(vision="trained", decoder="frozen")  # stage 2 starts from the frozen decoder
+    trained = decoder.train(model, config, args.output, stop_after=args.stop_after)
+    metadata = {"train_config": json.dumps(dataclasses.asdict(config), default=str)}
+    path = os.path.join(args.output, ADAPTERS_FILE)
+    decoder.export_adapters(path, trained["adapters"], config.scale, metadata)
+    vision_path = os.path.join(args.output, VISION_FILE)
+    vision.export_weights(vision_path, {"vision": model.params["vision"], "projector": trained["projector"]},
+                          {**metadata, "vision_config": json.dumps(loading.DEMO_VISION)})
+    print(f"wrote {path} and {vision_path}")
+    return 0

@@ -1,0 +1,149 @@
+"""Text-only replay for stage 2: prompts answered by the frozen decoder, and agreement with it.
+
+Stage 2 trains the decoder (through adapters) to read pictures; to keep its text behaviour, every step
+also fits the frozen SmolLM2's own greedy continuation of a text-only prompt (self-distillation on
+its first `REPLAY_TOKENS` tokens, cross-entropy on the token ids it produced: no re-tokenisation).
+Prompts are composed from templates and fillers; the "heldout" split uses fillers and two template
+families the "train" split never draws, so the agreement measured on it is on prompts training never saw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+REPLAY_TOKENS = 32  # the frozen continuation's length kept as targets, and the agreement's span
+
+# (template, filler key): a filler key names a pair of FILLERS lists, the train split's and the
+# held-out split's; "number" fills {a} and {b} with NUMBER_PAIRS pairs of the split's range.
+TEMPLATES = {
+    "train": (("What is the capital of {country}?", "country"), ("Tell me a fun fact about {country}.", "country"),
+              ("Tell me one fact about {animal}.", "animal"), ("What do {animal} eat?", "animal"),
+              ("Write a short poem about {noun}.", "noun"), ("Give me three tips for {activity}.", "activity"),
+              ("Why do people like {activity}?", "activity"), ("Explain {concept} in simple words.", "concept"),
+              ("What is the opposite of '{adjective}'?", "adjective"), ("Can you suggest a dinner with {food}?", "food"),
+              ("Describe {place} in two sentences.", "place"), ("What is {a} plus {b}?", "number")),
+    "heldout": (("What is the capital of {country}?", "country"), ("Tell me one fact about {country}.", "country"),
+                ("Tell me one fact about {animal}.", "animal"), ("Write a short poem about {noun}.", "noun"),
+                ("Write a haiku about {noun}.", "noun"), ("Explain {concept} in simple words.", "concept"),
+                ("Why is {concept} important?", "concept"), ("Give me a synonym for '{adjective}'.", "adjective"),
+                ("What is the opposite of '{adjective}'?", "adjective"), ("How do I get better at {activity}?", "activity"),
+                ("Describe {place} in two sentences.", "place"), ("Can you suggest a dinner with {food}?", "food"),
+                ("What is {a} times {b}?", "number")),
+}
+FILLERS = {
+    "country": (("France", "Japan", "Brazil", "Canada", "Egypt", "India", "Kenya", "Norway", "Peru", "Spain", "Chile",
+                 "Greece", "Mexico", "Poland", "Turkey", "Vietnam"),
+                ("Italy", "Germany", "Australia", "Argentina", "Sweden", "Thailand", "Morocco", "Portugal")),
+    "animal": (("dolphins", "elephants", "owls", "bees", "penguins", "wolves", "octopuses", "camels", "frogs",
+                "horses", "sharks", "ants"), ("giraffes", "bats", "turtles", "parrots", "foxes", "whales")),
+    "noun": (("the sea", "autumn", "a city at night", "the moon", "coffee", "a garden", "rain", "mountains", "friendship",
+              "a train journey", "winter", "the desert"), ("the stars", "spring", "a forest", "a river", "books", "snow")),
+    "activity": (("learning to cook", "running a marathon", "studying for exams", "saving money", "gardening",
+                  "learning a language", "public speaking", "playing chess", "sleeping well", "writing"),
+                 ("painting", "swimming", "programming", "photography", "meditation")),
+    "concept": (("gravity", "photosynthesis", "inflation", "the internet", "evolution", "electricity", "democracy",
+                 "vaccines", "recycling", "the water cycle"),
+                ("black holes", "machine learning", "interest rates", "climate change", "DNA")),
+    "adjective": (("hot", "happy", "fast", "bright", "strong", "early", "quiet", "rich", "heavy", "old"),
+                  ("tall", "brave", "soft", "empty", "clean")),
+    "food": (("rice", "potatoes", "chicken", "lentils", "pasta", "eggs", "mushrooms", "beans"),
+             ("salmon", "tofu", "spinach", "noodles")),
+    "place": (("Paris", "a beach in summer", "a busy market", "a library", "the Alps", "a small village"),
+              ("Tokyo", "a rainforest", "an old castle", "a train station")),
+}
+NUMBER_RANGES = {"train": (2, 40), "heldout": (41, 99)}  # operands of the arithmetic prompts
+NUMBER_PAIRS = 40
+SPLITS = ("train", "heldout")
+
+
+def prompts(split: str, seed: int) -> tuple[str, ...]:
+    """Every prompt of `split` (each template with each of its fillers, NUMBER_PAIRS seeded operand
+    pairs for arithmetic), in a seeded order."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown replay split {split!r}; expected one of {SPLITS}")
+    rng = np.random.default_rng([7, SPLITS.index(split), seed])
+    texts = []
+    for template, key in TEMPLATES[split]:
+        if key == "number":
+            low, high = NUMBER_RANGES[split]
+            pairs = {tuple(int(v) for v in rng.integers(low, high + 1, 2)) for _ in range(4 * NUMBER_PAIRS)}
+            texts += [template.format(a=a, b=b) for a, b in sorted(pairs)[:NUMBER_PAIRS]]
+        else:
+            texts += [template.format(**{key: filler}) for filler in FILLERS[key][SPLITS.index(split)]]
+    order = rng.permutation(len(texts))
+    return tuple(texts[i] for i in order)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bank:
+    """Prompts with the frozen decoder's greedy continuation of each (its first REPLAY_TOKENS tokens,
+    ended by its end-of-sequence token when it stopped sooner)."""
+    prompts: tuple[str, ...]
+    prompt_ids: tuple[tuple[int, ...], ...]  # the chat-rendered prompt, as `Model.encode_chat` gives it
+    continuations: tuple[tuple[int, ...], ...]
+
+    def save(self, path: str) -> None:
+        from lookm_jax.train.checkpoint import write_atomic
+
+        write_atomic(path, json.dumps(dataclasses.asdict(self)).encode())
+
+    @classmethod
+    def load(cls, path: str) -> "Bank":
+        with open(path) as f:
+            data = json.load(f)
+        return cls(**{k: tuple(tuple(v) if isinstance(v, list) else v for v in data[k]) for k in data})
+
+
+def greedy_continuations(model, prompt_ids: list[np.ndarray], batch_size: int = 32) -> list[list[int]]:
+    """Greedy continuations of chat-rendered prompts ([1, L] ids each), REPLAY_TOKENS long, cut after
+    the first end-of-sequence token. Right-padded batches through `model.generate` (full cache)."""
+    eos = set(model.text_config.eos_token_ids)
+    out = []
+    for i in range(0, len(prompt_ids), batch_size):
+        rows = [p[0] for p in prompt_ids[i:i + batch_size]]
+        width = max(len(r) for r in rows)
+        ids = np.zeros((len(rows), width), np.int32)
+        mask = np.zeros((len(rows), width), np.int32)
+        for j, r in enumerate(rows):
+            ids[j, :len(r)], mask[j, :len(r)] = r, 1
+        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=REPLAY_TOKENS)
+        for row in np.asarray(tokens):
+            stop = next((t + 1 for t, tok in enumerate(row) if int(tok) in eos), len(row))
+            out.append([int(t) for t in row[:stop]])
+    return out
+
+
+def make_bank(model, split: str, seed: int) -> Bank:
+    """The prompts of `split` answered by `model` (the frozen decoder)."""
+    texts = prompts(split, seed)
+    ids = [model.encode_chat(t) for t in texts]
+    continuations = greedy_continuations(model, ids)
+    return Bank(tuple(texts), tuple(tuple(int(t) for t in i[0]) for i in ids), tuple(map(tuple, continuations)))
+
+
+def bank(model, directory: str, split: str, seed: int) -> Bank:
+    """The run's bank of `split` (replay_{split}.json in `directory`), made once by the frozen model
+    and read back on resume (made again if its prompts are not this split's)."""
+    path = os.path.join(directory, f"replay_{split}.json")
+    if os.path.exists(path):
+        saved = Bank.load(path)
+        if saved.prompts == prompts(split, seed):
+            return saved
+    made = make_bank(model, split, seed)
+    made.save(path)
+    return made
+
+
+def agreement(reference: list[list[int]], generated: list[list[int]]) -> float:
+    """Share of the first REPLAY_TOKENS positions where two greedy continuations hold the same token
+    (a continuation that stopped is padded with its end token, so two that stop together agree)."""
+    def padded(row):
+        row = list(row)[:REPLAY_TOKENS]
+        return row + [row[-1] if row else -1] * (REPLAY_TOKENS - len(row))
+
+    same = [np.mean(np.equal(padded(r), padded(g))) for r, g in zip(reference, generated, strict=True)]
+    return float(np.mean(same))
