@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lookm_jax.checks import is_int_at_least
+from lookm_jax.checks import is_int_at_least, is_real
 from lookm_jax.errors import InputError
 from lookm_jax.merge import MERGES, merge_evicted
-from lookm_jax.select import select_slots
+from lookm_jax.select import PROPORTIONAL, select_slots
+
+MERGE_SCOPES = ("any", "same_modality")
 
 
 @flax.struct.dataclass
@@ -39,6 +41,10 @@ class SelectionSpec:
     n_sink: the first n_sink valid tokens are always kept, counted within N.
     similarity_filter: merge only evicted tokens whose best cosine passes the row mean (needs merge).
     keep_all_text: keep every text token even beyond N (needs text_prior).
+    image_quota: None, a fraction in [0, 1] or "proportional": ranked slots reserved for the best
+      image tokens (`lookm_jax.select`).
+    merge_scope: "any" (the paper's) or "same_modality": an evicted pair merges only into a kept
+      slot of its own modality (`lookm_jax.merge`).
     """
 
     text_prior: bool = False
@@ -46,6 +52,8 @@ class SelectionSpec:
     n_sink: int = 0
     similarity_filter: bool = False
     keep_all_text: bool = False
+    image_quota: float | str | None = None
+    merge_scope: str = "any"
 
     def __post_init__(self):
         flags = {"text_prior": self.text_prior, "similarity_filter": self.similarity_filter,
@@ -61,6 +69,16 @@ class SelectionSpec:
             raise InputError("keep_all_text needs text_prior=True")
         if not is_int_at_least(self.n_sink, 0):
             raise InputError(f"n_sink must be an int >= 0, got {self.n_sink!r}")
+        quota = self.image_quota
+        if not (quota is None or quota == PROPORTIONAL or (is_real(quota) and not isinstance(quota, bool)
+                                                           and 0 <= quota <= 1)):
+            raise InputError(f"image_quota must be None, a fraction in [0, 1] or {PROPORTIONAL!r}, got {quota!r}")
+        if quota is not None and self.keep_all_text:
+            raise InputError("image_quota and keep_all_text cannot be combined (keep_all_text keeps every text token)")
+        if self.merge_scope not in MERGE_SCOPES:
+            raise InputError(f"merge_scope must be one of {MERGE_SCOPES}, got {self.merge_scope!r}")
+        if self.merge_scope != "any" and (self.merge is None or self.similarity_filter):
+            raise InputError(f"merge_scope {self.merge_scope!r} needs a merge mode and no similarity_filter")
 
 
 def _static_capacity(n_recent, n_important, length: int) -> int:
@@ -85,6 +103,8 @@ def compress_kv(
     n_sink: int = 0,
     similarity_filter: bool = False,
     keep_all_text: bool = False,
+    image_quota: float | str | None = None,
+    merge_scope: str = "any",
     capacity: int | None = None,
     block: int = 128,
 ) -> CompressedKV:
@@ -108,13 +128,14 @@ def compress_kv(
       keep_all_text: keep every text token even when they exceed N (authors' code); the cache
         then overruns M + N, so give ``capacity`` (S_max); rows beyond it are truncated by rank.
         Requires ``text_prior``. Default off.
+      image_quota, merge_scope: see ``SelectionSpec``. Default off / "any" (the paper's).
       capacity: static S. Default: max over rows of M + N (needs concrete M, N), clipped to L.
       block: static token block of the similarity scan.
 
     The wrapper resolves the static capacity and then calls a jitted core whose static args are
-    capacity, text_prior, merge, n_sink, similarity_filter, keep_all_text and block.
+    capacity, block and the selection spec's fields.
     """
-    SelectionSpec(text_prior, merge, n_sink, similarity_filter, keep_all_text)  # validates
+    SelectionSpec(text_prior, merge, n_sink, similarity_filter, keep_all_text, image_quota, merge_scope)  # validates
     b, _, length, _ = keys.shape
     if capacity is None:
         capacity = _static_capacity(n_recent, n_important, length)
@@ -123,19 +144,22 @@ def compress_kv(
     return _compress(
         keys, values, scores, is_image, valid, n_recent, n_important,
         capacity=int(capacity), text_prior=text_prior, merge=merge, n_sink=n_sink,
-        similarity_filter=similarity_filter, keep_all_text=keep_all_text, block=block,
+        similarity_filter=similarity_filter, keep_all_text=keep_all_text, image_quota=image_quota,
+        merge_scope=merge_scope, block=block,
     )
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("capacity", "text_prior", "merge", "n_sink", "similarity_filter", "keep_all_text", "block"),
+    static_argnames=("capacity", "text_prior", "merge", "n_sink", "similarity_filter", "keep_all_text",
+                     "image_quota", "merge_scope", "block"),
 )
 def _compress(keys, values, scores, is_image, valid, n_recent, n_important, *, capacity, text_prior, merge,
-              n_sink, similarity_filter, keep_all_text, block) -> CompressedKV:
+              n_sink, similarity_filter, keep_all_text, image_quota, merge_scope, block) -> CompressedKV:
     sel = select_slots(
         scores, valid, is_image, n_recent, n_important,
         capacity=capacity, text_prior=text_prior, n_sink=n_sink, keep_all_text=keep_all_text,
+        image_quota=image_quota,
     )
     idx = sel.indices[..., None]  # [B, Hkv, S, 1]
     occupied = sel.mask[..., None]
@@ -143,9 +167,11 @@ def _compress(keys, values, scores, is_image, valid, n_recent, n_important, *, c
     kept_values = jnp.where(occupied, jnp.take_along_axis(values, idx, axis=2), 0)  # [B, Hkv, S, Dv]
     if merge is not None:
         evicted = valid[:, None, :] & ~sel.kept  # [B, Hkv, L]
+        slot_is_image = jnp.take_along_axis(jnp.broadcast_to(is_image[:, None, :], evicted.shape), sel.indices, axis=-1)
         kept_keys, kept_values = merge_evicted(
             keys, values, kept_keys, kept_values, sel.mask, evicted,
             mode=merge, use_similarity_filter=similarity_filter, block=block,
+            modalities=(is_image, slot_is_image) if merge_scope == "same_modality" else None,
         )
     positions = jnp.where(sel.mask, sel.indices, -1).astype(jnp.int32)
     return CompressedKV(kept_keys, kept_values, positions, sel.mask)

@@ -15,6 +15,10 @@ negative cosine (an evicted key at an obtuse angle to every kept key) enters wit
 weight: the evicted key and value are *subtracted*, pushing the merged pair away from the evicted
 one while still counting in the 1 / (1 + n_s) denominator, so the result also shrinks. This is
 eq. 12 taken literally, as the authors' code does; it is not clipped.
+
+With `same_modality` (not in the paper) an evicted pair may only merge into a kept slot of its own
+modality (image into image, text into text); a pair with no kept slot of its modality in its head
+is evicted without merging.
 """
 
 from __future__ import annotations
@@ -36,25 +40,31 @@ def _unit(x: jax.Array) -> jax.Array:
     return x * lax.rsqrt(jnp.maximum((x * x).sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny))
 
 
-def assign(keys: jax.Array, kept_keys: jax.Array, slot_mask: jax.Array, *, block: int) -> tuple[jax.Array, jax.Array]:
+def assign(keys: jax.Array, kept_keys: jax.Array, slot_mask: jax.Array, *, block: int,
+           groups: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
     """Most cosine-similar kept slot of every token (eq. 9), blockwise over tokens.
 
     keys [B, H, L, D], kept_keys [B, H, S, D], slot_mask [B, H, S]; block: static tokens per scan
-    step (memory O(block x S)). Returns target [B, H, L] int32 and its cosine [B, H, L] fp32
-    (-inf where a head has no kept slot).
+    step (memory O(block x S)); groups: (token group [B, L], slot group [B, H, S]) bool, when a
+    token may only go to a slot of its own group. Returns target [B, H, L] int32 and its cosine
+    [B, H, L] fp32 (-inf where a head has no kept slot the token may go to).
     """
     b, h, l, d = keys.shape
     n_blk = -(-l // block)
     k = jnp.pad(_unit(keys), ((0, 0), (0, 0), (0, n_blk * block - l), (0, 0)))
     k = jnp.moveaxis(k.reshape(b, h, n_blk, block, d), 2, 0)  # [n_blk, B, H, blk, D]
+    token_group, slot_group = groups if groups is not None else (jnp.zeros((b, l), bool), jnp.zeros((b, h, 1), bool))
+    token_group = jnp.pad(token_group, ((0, 0), (0, n_blk * block - l)))
+    token_group = jnp.moveaxis(token_group.reshape(b, n_blk, block), 1, 0)  # [n_blk, B, blk]
     kk = _unit(kept_keys)  # [B, H, S, D]
 
-    def step(_, kb):
+    def step(_, inputs):
+        kb, gb = inputs
         sim = jnp.einsum("bhld,bhsd->bhls", kb, kk, precision=lax.Precision.HIGHEST)
-        sim = jnp.where(slot_mask[:, :, None, :], sim, -jnp.inf)  # [B, H, blk, S]
-        return None, first_max(sim)
+        allowed = slot_mask[:, :, None, :] & (gb[:, None, :, None] == slot_group[:, :, None, :])
+        return None, first_max(jnp.where(allowed, sim, -jnp.inf))  # [B, H, blk, S]
 
-    _, (target, cos) = lax.scan(step, None, k)
+    _, (target, cos) = lax.scan(step, None, (k, token_group))
     target = jnp.moveaxis(target, 0, 2).reshape(b, h, -1)[..., :l]
     cos = jnp.moveaxis(cos, 0, 2).reshape(b, h, -1)[..., :l]
     return target, cos
@@ -90,6 +100,7 @@ def merge_evicted(
     mode: str,
     use_similarity_filter: bool = False,
     block: int = 128,
+    modalities: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Merge every evicted pair into its most similar kept pair (eq. 9-12, module docstring).
 
@@ -101,14 +112,16 @@ def merge_evicted(
       use_similarity_filter: static; drop, rather than merge, the evicted tokens that fail
         ``similarity_filter`` (authors' code).
       block: static token block of the similarity scan.
+      modalities: (is_image [B, L], slot_is_image [B, H, S]) to merge within each modality only
+        (module docstring); None merges across them, as the paper does.
     Returns:
       merged (kept_keys, kept_values), in the kept arrays' dtypes.
     """
     if mode not in MERGES:
         raise ValueError(f"merge must be one of {MERGES}, got {mode!r}")
     s = kept_keys.shape[2]
-    target, cos = assign(keys, kept_keys, slot_mask, block=block)
-    merging = evicted & slot_mask.any(-1, keepdims=True)
+    target, cos = assign(keys, kept_keys, slot_mask, block=block, groups=modalities)
+    merging = evicted & (cos > -jnp.inf)  # a token with no slot it may go to is evicted unmerged
     if use_similarity_filter:
         merging = merging & similarity_filter(evicted, cos)
     target = jnp.where(merging, target, s)  # s = dropped by the scatter

@@ -5,14 +5,20 @@ keep the last M_b valid tokens (recent window) and the N_b best of the others, i
 min(M_b + N_b, L_b) slots, stored in original-position order in a static capacity S.
 
 Ranking is one lexicographic sort, highest first:
-  1. class: recent window > attention sinks (first ``n_sink`` valid tokens) > text (under
-     text-prior) > everything else; padding is last and never kept;
+  1. class: recent window > attention sinks (first ``n_sink`` valid tokens) > image tokens
+     reserved by an image quota > text (under text-prior) > everything else; padding is last and
+     never kept;
   2. score, descending (sinks are ordered by position alone);
   3. position, ascending: ties are broken deterministically, lower position first.
 Text-prior (eq. 5, A_s[text] += max(A_s)) is realised as the class level: in exact arithmetic
 eq. 5 orders tokens exactly so (every valid token has A_s > 0, so each text score exceeds the
 maximum), and the class form keeps that guarantee in fp32, where adding max(A_s) would absorb
 tiny scores and turn them into ties.
+
+An image quota (not in the paper) reserves floor(q * N_b) of the ranked slots for the best-scored
+image tokens outside the window and the sinks (per head), so text-prior cannot spend the whole
+budget on text: q is a fixed fraction, or "proportional", the image tokens' share of those
+candidates. The rest of N is ranked as before.
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+PROPORTIONAL = "proportional"  # an image quota equal to the image tokens' share of the candidates
 
 
 class Selection(NamedTuple):
@@ -47,6 +56,25 @@ def recent_mask(valid: jax.Array, n_recent: jax.Array) -> jax.Array:
     return valid & (count_from_end(valid) <= n_recent[:, None])
 
 
+def image_quota_slots(quota: float | str, n_important: jax.Array, pool: jax.Array, image_pool: jax.Array) -> jax.Array:
+    """[B] int32 ranked slots reserved for image tokens: floor(quota * N_b) for a fraction (a static
+    table over N, so fp32 never rounds the floor), or floor(N_b * images / candidates) for
+    PROPORTIONAL. pool, image_pool: [B, L] bool, the ranked candidates and their image tokens."""
+    if quota == PROPORTIONAL:
+        return (n_important * image_pool.sum(-1)) // jnp.maximum(pool.sum(-1), 1)
+    table = np.floor(quota * np.arange(pool.shape[-1] + 1)).astype(np.int32)
+    return jnp.asarray(table)[jnp.clip(n_important, 0, pool.shape[-1])]
+
+
+def within_group_rank(scores: jax.Array, member: jax.Array) -> jax.Array:
+    """[B, H, L] int32 rank of each member token among its row's members by score (0 = best; ties:
+    lower position first); non-members rank after every member. member: [B, H, L] bool."""
+    b, h, l = scores.shape
+    pos = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, h, l))
+    _, _, order = lax.sort(((~member).astype(jnp.int32), -scores.astype(jnp.float32), pos), num_keys=3)
+    return per_head(lambda o: jnp.zeros(l, jnp.int32).at[o].set(jnp.arange(l, dtype=jnp.int32)))(order)
+
+
 def select_slots(
     scores: jax.Array,
     valid: jax.Array,
@@ -58,6 +86,7 @@ def select_slots(
     text_prior: bool,
     n_sink: int = 0,
     keep_all_text: bool = False,
+    image_quota: float | str | None = None,
 ) -> Selection:
     """Choose the kept slots of every head (pure; traceable).
 
@@ -71,22 +100,30 @@ def select_slots(
         (counted within N).
       keep_all_text: static; also keep every sink and (text-prior) text token even beyond N, so a
         row keeps M + max(N, #sink-or-text tokens outside the window), truncated to S.
+      image_quota: static; None, a fraction in [0, 1] or PROPORTIONAL: ranked slots reserved for
+        the best image tokens of each head (module docstring).
     """
     b, h, l = scores.shape
     pos = jnp.arange(l, dtype=jnp.int32)
     recent = recent_mask(valid, n_recent)  # [B, L]
     sink = valid & ~recent & (jnp.cumsum(valid, -1) <= n_sink)
     text = valid & ~is_image & text_prior
-    cls = jnp.where(recent, 3, jnp.where(sink, 2, jnp.where(text, 1, 0)))
-    cls = jnp.where(valid, cls, -1).astype(jnp.int32)  # [B, L]
+    cls = jnp.where(recent, 4, jnp.where(sink, 3, jnp.where(text, 1, 0)))
+    cls = jnp.broadcast_to(jnp.where(valid, cls, -1).astype(jnp.int32)[:, None, :], (b, h, l))
+    if image_quota is not None:
+        pool = valid & ~recent & ~sink  # [B, L] the ranked candidates
+        image_pool = jnp.broadcast_to((pool & is_image)[:, None, :], (b, h, l))
+        reserved = within_group_rank(scores, image_pool) < image_quota_slots(
+            image_quota, n_important, pool, pool & is_image)[:, None, None]
+        cls = jnp.where(image_pool & reserved, 2, cls)  # [B, H, L]
 
-    neg_cls = jnp.broadcast_to(-cls[:, None, :], (b, h, l))
+    neg_cls = -cls
     neg_score = jnp.where(sink[:, None, :], 0.0, -scores.astype(jnp.float32))  # sinks: by position
     _, _, order = lax.sort((neg_cls, neg_score, jnp.broadcast_to(pos, (b, h, l))), num_keys=3)
 
     count = n_recent + n_important
     if keep_all_text:
-        must = ((cls == 1) | (cls == 2)).sum(-1)  # [B]
+        must = ((cls[:, 0] == 1) | (cls[:, 0] == 3)).sum(-1)  # [B]: sinks and text, the same in every head
         count = n_recent + jnp.maximum(n_important, must)
     count = jnp.minimum(jnp.minimum(count, valid.sum(-1)), capacity)  # [B]
 

@@ -18,6 +18,8 @@ VARIANTS: list[tuple[str, dict]] = [(name, {}) for name in METHODS] + [
     ("lookm", {"merge": "averaged", "similarity_filter": True}),
     ("lookm", {"merge": "weighted", "text_prior": False, "n_sink": 4}),
     ("lookm", {"keep_all_text": True, "merge": "pivotal"}),
+    ("lookm", {"image_quota": 0.5, "merge": None}),
+    ("lookm", {"image_quota": "proportional", "merge_scope": "same_modality"}),
 ]
 DEFAULTS = [v for v in VARIANTS if not v[1]]  # one per method, at its defaults
 

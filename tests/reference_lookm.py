@@ -79,8 +79,17 @@ def window_scores(q, k, valid, window, m, kernel_size, pooling):
     return _group_mean(out, k.shape[1])
 
 
-def select(scores, valid, is_image, m, n, *, text_prior, n_sink=0, keep_all_text=False):
-    """Eq. 5-8 for every (b, h): sorted kept positions (recent M + top N; ties: lower position)."""
+def image_quota_count(quota, n, candidates, images):
+    """Ranked slots reserved for image tokens: floor(quota * N), or floor(N * images / candidates)."""
+    if quota == "proportional":
+        return n * images // max(candidates, 1)
+    return math.floor(quota * n)
+
+
+def select(scores, valid, is_image, m, n, *, text_prior, n_sink=0, keep_all_text=False, image_quota=None):
+    """Eq. 5-8 for every (b, h): sorted kept positions (recent M + top N; ties: lower position).
+    With an image quota, the best floor(q N) image tokens outside the window and the sinks rank
+    right after the sinks, above every text token."""
     b_, h_, length = scores.shape
     kept = {}
     for b in range(b_):
@@ -88,11 +97,19 @@ def select(scores, valid, is_image, m, n, *, text_prior, n_sink=0, keep_all_text
         recent = recent_positions(valid[b], m[b])
         rest = [j for j in idx if j not in recent]
         sinks = rest[:n_sink]
+        pool = [j for j in rest if j not in sinks]
+        image_pool = [j for j in pool if is_image[b, j]]
         for h in range(h_):
             a = {j: float(scores[b, h, j]) for j in idx}
+            reserved = []
+            if image_quota is not None:
+                count = image_quota_count(image_quota, n[b], len(pool), len(image_pool))
+                reserved = sorted(image_pool, key=lambda j: (-a[j], j))[:count]
             if text_prior:  # eq. 5
                 top = max(a.values())
                 a = {j: s + top if not is_image[b, j] else s for j, s in a.items()}
+            for j in reserved:  # above every text score (<= 2 max), in their own score order
+                a[j] += 10.0 * (1.0 + abs(top if text_prior else max(a.values())))
             for j in sinks:
                 a[j] = math.inf
             ranked = sorted(rest, key=lambda j: (-a[j], j))
@@ -103,11 +120,12 @@ def select(scores, valid, is_image, m, n, *, text_prior, n_sink=0, keep_all_text
     return kept
 
 
-def merge(keys, values, kept, valid, mode, similarity_filter=False):
+def merge(keys, values, kept, valid, mode, similarity_filter=False, is_image=None):
     """Eq. 9-12: fold each evicted pair into its most cosine-similar kept pair (same head).
 
     averaged: (k_c + sum k_e) / (1 + n); pivotal: (k_c + sum (k_e + k_c) / 2) / (1 + n);
     weighted: (k_c + sum cos_e k_e) / (1 + n). Returns {(b, h): (kept_keys, kept_values)}.
+    With `is_image` [B, L], a pair merges only into a kept pair of its own modality (none: not merged).
     """
     out = {}
     b_, h_, length, _ = keys.shape
@@ -119,9 +137,9 @@ def merge(keys, values, kept, valid, mode, similarity_filter=False):
             pairs = []
             for e in evicted:
                 cos = [keys[b, h, e] @ keys[b, h, c] / (np.linalg.norm(keys[b, h, e]) * np.linalg.norm(keys[b, h, c]))
-                       for c in ks]
-                best = int(np.argmax(cos)) if ks else None
-                pairs.append((e, best, cos[best] if ks else None))
+                       if is_image is None or is_image[b, c] == is_image[b, e] else -np.inf for c in ks]
+                best = int(np.argmax(cos)) if ks and max(cos) > -np.inf else None
+                pairs.append((e, best, cos[best] if best is not None else None))
             assign[b, h] = pairs
     for b in range(b_):
         if similarity_filter:
@@ -190,10 +208,11 @@ def run_method(name, params, q, k, v, is_image, valid):
     else:
         raise ValueError(name)
     kept = select(scores, valid, is_image, m, n, text_prior=text_prior, n_sink=n_sink,
-                  keep_all_text=params.get("keep_all_text", False))
+                  keep_all_text=params.get("keep_all_text", False), image_quota=params.get("image_quota"))
     if mode is None:
         return {key: (pos, k[key[0], key[1], pos], v[key[0], key[1], pos]) for key, pos in kept.items()}
-    merged = merge(k, v, kept, valid, mode, params.get("similarity_filter", False))
+    same = params.get("merge_scope", "any") == "same_modality"
+    merged = merge(k, v, kept, valid, mode, params.get("similarity_filter", False), is_image if same else None)
     return {key: (pos, *merged[key]) for key, pos in kept.items()}
 
 

@@ -106,3 +106,52 @@ def test_assignment_picks_the_first_of_tied_slots_like_argmax():
     np.testing.assert_array_equal(index, np.argmax(x, -1))
     np.testing.assert_array_equal(top, x.max(-1))
     assert index[3] == 0
+
+
+@pytest.mark.parametrize("merge", ["averaged", "pivotal", "weighted"])
+@pytest.mark.parametrize("text_prior,image_quota", [(True, None), (True, "proportional"), (False, 0.5)])
+def test_same_modality_scope_matches_reference(merge, text_prior, image_quota):
+    k, v, scores, is_image, valid = _inputs(4, [20, 14])
+    m, n = [3, 2], [5, 4]
+    out = compress_kv(jnp.asarray(k), jnp.asarray(v), jnp.asarray(scores), is_image=jnp.asarray(is_image),
+                      valid=jnp.asarray(valid), n_recent=np.array(m), n_important=np.array(n),
+                      text_prior=text_prior, merge=merge, image_quota=image_quota, merge_scope="same_modality",
+                      block=8)
+    kept = ref.select(scores, valid, is_image, m, n, text_prior=text_prior, image_quota=image_quota)
+    merged = ref.merge(k, v, kept, valid, merge, is_image=is_image)
+    ref.check_against(out, {bh: (p, *merged[bh]) for bh, p in kept.items()})
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), lengths=_lengths, m=_budgets, n=_budgets,
+       merge=st.sampled_from(["averaged", "pivotal", "weighted"]))
+def test_same_modality_never_merges_across_modalities(seed, lengths, m, n, merge):
+    """One-hot values read off every token's weight in each slot: an image slot holds no text token
+    and a text slot no image token; a token whose head kept no slot of its modality is in no slot."""
+    k, _, scores, is_image, valid = _inputs(seed, lengths)
+    one_hot = jnp.broadcast_to(jnp.eye(L), (B, H, L, L))
+    out = jax.jit(functools.partial(compress_kv, merge=merge, merge_scope="same_modality", capacity=L, block=8))(
+        k, one_hot, scores, is_image=is_image, valid=valid, n_recent=np.array(m), n_important=np.array(n))
+    weights, pos, mask = np.asarray(out.values), np.asarray(out.positions), np.asarray(out.mask)
+    for b in range(B):
+        for h in range(H):
+            for slot in np.flatnonzero(mask[b, h]):
+                holds = np.flatnonzero(weights[b, h, slot])
+                assert (is_image[b, holds] == is_image[b, pos[b, h, slot]]).all(), (b, h, slot)
+            kept_modalities = set(is_image[b, pos[b, h][mask[b, h]]])
+            for j in np.flatnonzero(valid[b]):
+                if is_image[b, j] not in kept_modalities:
+                    assert not weights[b, h, mask[b, h], j].any()
+
+
+def test_scope_and_quota_refuse_what_they_cannot_do():
+    from lookm_jax import InputError, get_method
+
+    with pytest.raises(InputError, match="image_quota must be None, a fraction in"):
+        get_method("lookm", image_quota=1.5)
+    with pytest.raises(InputError, match="merge_scope must be one of"):
+        get_method("lookm", merge_scope="image")
+    with pytest.raises(InputError, match="needs a merge mode"):
+        get_method("lookm", merge=None, merge_scope="same_modality")
+    with pytest.raises(InputError, match="cannot be combined"):
+        get_method("lookm", keep_all_text=True, image_quota=0.5)

@@ -112,3 +112,37 @@ def test_capacity_defaults_to_max_budget_and_needs_concrete_budgets():
     with pytest.raises(ValueError, match="capacity"):
         jax.jit(lambda m: compress_kv(k, v, scores, is_image=is_image, valid=valid, n_recent=m, n_important=1))(
             jnp.array([1, 2, 3]))
+
+
+@pytest.mark.parametrize("image_quota", [0.0, 0.5, 1.0, "proportional"])
+@pytest.mark.parametrize("text_prior,n_sink", [(True, 0), (True, 2), (False, 0)])
+def test_image_quota_matches_reference(image_quota, text_prior, n_sink):
+    k, v, scores, is_image, valid = _case(3, [24, 19, 7])
+    m, n = [3, 2, 1], [8, 6, 3]
+    out = compress_kv(jnp.asarray(k), jnp.asarray(v), jnp.asarray(scores), is_image=jnp.asarray(is_image),
+                      valid=jnp.asarray(valid), n_recent=np.array(m), n_important=np.array(n),
+                      text_prior=text_prior, n_sink=n_sink, image_quota=image_quota)
+    kept = ref.select(scores, valid, is_image, m, n, text_prior=text_prior, n_sink=n_sink, image_quota=image_quota)
+    ref.check_against(out, {bh: (p, k[bh[0], bh[1], p], v[bh[0], bh[1], p]) for bh, p in kept.items()}, atol=0)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), lengths=st.lists(st.integers(1, L), min_size=B, max_size=B),
+       m=st.lists(st.integers(0, 6), min_size=B, max_size=B), n=st.lists(st.integers(0, 8), min_size=B, max_size=B),
+       quota=st.sampled_from([0.25, 0.5, 1.0]))
+def test_image_quota_keeps_its_share_of_images_under_text_prior(seed, lengths, m, n, quota):
+    """Text-prior ranks every text token first, yet floor(q N) of the ranked slots (or every image
+    candidate, when fewer) go to images; slot totals are unchanged: min(M + N, L) per row."""
+    k, v, scores, is_image, valid = _case(seed, lengths)
+    out = jax.jit(functools.partial(compress_kv, text_prior=True, image_quota=quota, capacity=S))(
+        k, v, scores, is_image=is_image, valid=valid, n_recent=np.array(m), n_important=np.array(n))
+    positions, mask = np.asarray(out.positions), np.asarray(out.mask)
+    for b in range(B):
+        recent = set(ref.recent_positions(valid[b], m[b]))
+        candidates = [j for j in range(L) if valid[b, j] and j not in recent]
+        images = [j for j in candidates if is_image[b, j]]
+        for h in range(H):
+            kept = set(positions[b, h][mask[b, h]])
+            assert len(kept) == min(m[b] + n[b], int(valid[b].sum()), S)
+            ranked_images = len(kept & set(images))
+            assert ranked_images >= min(int(np.floor(quota * n[b])), len(images), S - len(recent)), (b, h)
