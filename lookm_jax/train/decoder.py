@@ -9,8 +9,11 @@ pictures with 1-3 objects and 1-16 one-object pictures behind "Picture k:" marke
 kind of `scenes.PICTURE_KINDS`, a text fact between the pictures. Batch kinds cycle with the step
 (`DecoderConfig.batches`); each compiles once.
 
-Every step also fits a batch of text-only replay (`lookm_jax.train.replay`): the frozen decoder's own
-greedy continuations of text prompts, so that text behaviour stays the frozen model's.
+Every step also replays a batch of text-only prompts with the frozen decoder's own greedy continuations
+(`lookm_jax.train.replay`): the adapted decoder's next-token distributions over them are pulled to the
+frozen decoder's (KL, at every position), so that text behaviour stays the frozen model's. Measured:
+cross-entropy on the greedy tokens alone let teacher-forced agreement on held-out prompts fall to 0.84
+by step 100.
 
 Checkpoints, resume and the NaN stop are stage 1's (`lookm_jax.train.checkpoint`): step s's data is
 a pure function of (seed, s), so a killed and resumed run equals an uninterrupted one.
@@ -61,11 +64,11 @@ REPLAY_LENGTH = 128  # a chat-rendered replay prompt (<= 60 tokens here) + its c
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    steps: int = 1000
+    steps: int = 600
     rank: int = 16
     scale: float = 2.0  # LoRA's alpha / rank: the adapted weight is W + scale * b @ a
-    learning_rate: float = 5e-4  # the adapters' peak AdamW rate
-    projector_learning_rate: float = 2e-4
+    learning_rate: float = 3e-4  # the adapters' peak AdamW rate
+    projector_learning_rate: float = 1e-4
     warmup_steps: int = 30
     weight_decay: float = 0.0
     clip_norm: float = 1.0
@@ -134,23 +137,35 @@ def replay_batch(bank: replay.Bank, indices, length: int = REPLAY_LENGTH) -> dic
     return out
 
 
-def text_metrics(text_cfg, text_params: dict, batch: dict) -> tuple[jax.Array, dict]:
-    """`vision.embedded_answer_metrics` of a text-only batch (`replay_batch`)."""
-    x = llama.embed_tokens(text_params, batch["ids"])
-    return embedded_answer_metrics(text_cfg, text_params, x, jnp.zeros(batch["ids"].shape, bool), batch)
+def replay_metrics(text_cfg, adapted: dict, frozen: dict, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """(KL(frozen || adapted) of the next-token distributions, mean over every position of a replay
+    batch whose next token is in it, prompt and continuation alike; the share of the continuation's
+    tokens the adapted decoder still predicts, teacher-forced). The frozen pass gets no gradient."""
+    x = llama.embed_tokens(frozen, batch["ids"])
+
+    def log_probs(params):  # [B, L, V] fp32
+        return jax.nn.log_softmax(llama.lm_logits(params, llama.forward(text_cfg, params, x, batch["valid"])))
+
+    ours, theirs = log_probs(adapted), jax.lax.stop_gradient(log_probs(frozen))
+    kl = (jnp.exp(theirs) * (theirs - ours)).sum(-1)  # [B, L]
+    has_next = batch["valid"] & jnp.roll(batch["valid"], -1, axis=1).at[:, -1].set(False)
+    kl = jnp.where(has_next, kl, 0.0).sum() / jnp.maximum(has_next.sum(), 1)
+    at_targets = jnp.take_along_axis(ours, batch["target_positions"][..., None], axis=1)  # [B, T, V]
+    hit = (jnp.argmax(at_targets, -1) == batch["targets"]) & batch["target_mask"]
+    return kl, hit.sum() / jnp.maximum(batch["target_mask"].sum(), 1)
 
 
 def metrics_fn(cfg, scale: float) -> Callable:
     """(trainable, frozen, batch) -> (picture answer loss, metrics): the adapted model's
-    `vision.answer_metrics` (+ "replay_loss", "replay_accuracy" when batch has "replay")."""
+    `vision.answer_metrics` (+ "replay_kl", "replay_accuracy" of `replay_metrics` when batch has "replay")."""
     def metrics(trainable, frozen, batch):
         text = lora.apply(frozen["text"], trainable["adapters"], scale)
         params = {"text": text, "vision": frozen["vision"], "projector": trainable["projector"]}
         x, is_image = llava.embed(cfg, params, batch["ids"], batch["pixel_values"])
         loss, out = embedded_answer_metrics(cfg.text, text, x, is_image, batch)
         if "replay" in batch:
-            replay_loss, replay_out = text_metrics(cfg.text, text, batch["replay"])
-            out = {**out, "replay_loss": replay_loss, "replay_accuracy": replay_out["accuracy"]}
+            kl, accuracy = replay_metrics(cfg.text, text, frozen["text"], batch["replay"])
+            out = {**out, "replay_kl": kl, "replay_accuracy": accuracy}
         return loss, out
     return metrics
 
@@ -158,14 +173,14 @@ def metrics_fn(cfg, scale: float) -> Callable:
 def make_step(cfg, tx: optax.GradientTransformation, config: DecoderConfig) -> Callable:
     """(trainable, opt_state, frozen, batch) -> (trainable, opt_state, answer loss, metrics).
 
-    Minimises the picture answer loss + replay_weight x the replay loss + image_norm_weight x the
+    Minimises the picture answer loss + replay_weight x the replay KL + image_norm_weight x the
     image-norm penalty. Jitted, the trainable parameters and optimizer state donated; static through
     the closure: the model config, the optimizer and the weights. Each batch kind compiles once."""
     metrics = metrics_fn(cfg, config.scale)
 
     def objective(trainable, frozen, batch):
         loss, out = metrics(trainable, frozen, batch)
-        total = loss + config.replay_weight * out["replay_loss"] + config.image_norm_weight * out["image_norm"]
+        total = loss + config.replay_weight * out["replay_kl"] + config.image_norm_weight * out["image_norm"]
         return total, (loss, out)
 
     def step(trainable, opt_state, frozen, batch):
@@ -205,12 +220,7 @@ class HeldOut:
 def _replay_token_accuracy(cfg, scale: float) -> Callable:
     """(trainable, frozen, replay batch) -> share of the continuation's tokens predicted (teacher-forced)."""
     def accuracy(trainable, frozen, batch):
-        text = lora.apply(frozen["text"], trainable["adapters"], scale)
-        x = llama.embed_tokens(text, batch["ids"])
-        h = llama.forward(cfg.text, text, x, batch["valid"])
-        h = jnp.take_along_axis(h, batch["target_positions"][..., None], axis=1)
-        hit = (jnp.argmax(llama.lm_logits(text, h), -1) == batch["targets"]) & batch["target_mask"]
-        return hit.sum() / jnp.maximum(batch["target_mask"].sum(), 1)
+        return replay_metrics(cfg.text, lora.apply(frozen["text"], trainable["adapters"], scale), frozen["text"], batch)[1]
     return jax.jit(accuracy)
 
 
@@ -267,7 +277,7 @@ def train(model, config: DecoderConfig, output: str, *, batch_fn: Callable[[int]
         record = {"step": step, "loss": loss, **{k: float(v) for k, v in step_metrics.items()},
                   "pictures": int(batch.pixel_values.shape[0] // batch.ids.shape[0])}
         bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", acc=f"{record['accuracy']:.2f}", replay=f"{record['replay_loss']:.3f}",
+        bar.set_postfix(loss=f"{loss:.3f}", acc=f"{record['accuracy']:.2f}", kl=f"{record['replay_kl']:.4f}",
                         tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
         if held_out is not None and (step % config.eval_every == 0 or step == config.steps):
             record.update(held_out(metrics, token_accuracy, trainable, frozen))

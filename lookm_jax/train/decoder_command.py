@@ -21,15 +21,15 @@ def add_parser(subparsers) -> None:
                     f"{ADAPTERS_FILE} and {VISION_FILE} (tower + trained projector) at the end.")
     p.add_argument("--output", type=path_arg, required=True, help="run folder: checkpoint, log.jsonl, replay banks, "
                    "exported weights (required)")
-    p.add_argument("--steps", type=int_at_least(2), default=1000, help="steps (the cosine schedule's length)")
+    p.add_argument("--steps", type=int_at_least(2), default=600, help="steps (the cosine schedule's length)")
     p.add_argument("--rank", type=int_at_least(1), default=16, help="adapter rank")
     p.add_argument("--scale", type=positive_float, default=2.0, help="adapter scale (LoRA's alpha / rank)")
-    p.add_argument("--learning-rate", type=positive_float, default=5e-4, help="the adapters' peak AdamW rate")
-    p.add_argument("--projector-learning-rate", type=finite_float, default=2e-4,
+    p.add_argument("--learning-rate", type=positive_float, default=3e-4, help="the adapters' peak AdamW rate")
+    p.add_argument("--projector-learning-rate", type=finite_float, default=1e-4,
                    help="the projector's peak rate, >= 0 (0 keeps the shipped projector)")
     p.add_argument("--warmup-steps", type=int_at_least(0), default=30, help="linear warmup steps")
     p.add_argument("--replay-batch-size", type=int_at_least(1), default=4, help="text-only replay prompts per step")
-    p.add_argument("--replay-weight", type=finite_float, default=1.0, help="weight of the replay loss, >= 0")
+    p.add_argument("--replay-weight", type=finite_float, default=1.0, help="weight of the replay KL to the frozen decoder, >= 0")
     p.add_argument("--eval-every", type=int_at_least(1), default=100, help="steps between held-out accuracy checks")
     p.add_argument("--checkpoint-every", type=int_at_least(1), default=10, help="steps between checkpoints")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the data streams and the adapters' init")
