@@ -15,7 +15,7 @@ frozen decoder's (KL, at every position), so that text behaviour stays the froze
 cross-entropy on the greedy tokens alone let teacher-forced agreement on held-out prompts fall to 0.84
 by step 100.
 
-Checkpoints, resume and the NaN stop are stage 1's (`lookm_jax.train.checkpoint`): step s's data is
+Checkpoints, resume and the NaN stop are stage 1's (`lookm_jax.train.runs`): step s's data is
 a pure function of (seed, s), so a killed and resumed run equals an uninterrupted one.
 """
 
@@ -37,7 +37,8 @@ from lookm_jax.checks import is_real
 from lookm_jax.models import llama, llava
 from lookm_jax.train import adapters as lora
 from lookm_jax.train import replay, tower
-from lookm_jax.train.checkpoint import CHECKPOINT, LOG, arrays_of, load_checkpoint, save_checkpoint, truncate_log
+from lookm_jax.train.runs import (LOG, arrays_of, jit_step, load_checkpoint, save_checkpoint, truncate_log,
+                                  write_atomic)
 from lookm_jax.train.data import Batch, BatchSpec, Encoder, single_picture_spec
 from lookm_jax.train.vision import embedded_answer_metrics
 
@@ -183,12 +184,7 @@ def make_step(cfg, tx: optax.GradientTransformation, config: DecoderConfig) -> C
         total = loss + config.replay_weight * out["replay_kl"] + config.image_norm_weight * out["image_norm"]
         return total, (loss, out)
 
-    def step(trainable, opt_state, frozen, batch):
-        (_, (loss, out)), grads = jax.value_and_grad(objective, has_aux=True)(trainable, frozen, batch)
-        updates, opt_state = tx.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state, loss, out
-
-    return jax.jit(step, donate_argnums=(0, 1))
+    return jit_step(objective, tx)
 
 
 class HeldOut:
@@ -296,8 +292,6 @@ def export_adapters(path: str, adapters: lora.Adapters, scale: float, metadata: 
     """The adapters as one safetensors file ("layers.{i}.{weight}.a" / ".b"), b scaled by `scale`
     (so that folding adds b @ a), float16, written atomically; `loading.read_demo_adapters` reads it."""
     from safetensors.numpy import save
-
-    from lookm_jax.train.checkpoint import write_atomic
 
     scaled = tuple({name: {"a": ad["a"], "b": scale * np.asarray(ad["b"])} for name, ad in layer.items()}
                    for layer in adapters)

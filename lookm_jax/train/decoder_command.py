@@ -58,11 +58,11 @@ def cmd_decoder(args) -> int:
     import dataclasses
 
     from lookm_jax import loading
-    from lookm_jax.train import checkpoint, decoder, vision
+    from lookm_jax.train import decoder, runs, vision
 
     config = decoder_config(args)
     check_output_folder(args.output, "--output")  # a new run's folder, or a run's to resume it
-    if args.stop_after == 0 and not os.path.isfile(os.path.join(args.output, checkpoint.CHECKPOINT)):
+    if args.stop_after == 0 and not os.path.isfile(os.path.join(args.output, runs.CHECKPOINT)):
         raise ValueError(f"--stop-after 0 exports the run's checkpoint, and {args.output} has none")
     model = loading.demo_model(vision="trained", decoder="frozen")  # stage 2 starts from the frozen decoder
     trained = decoder.train(model, config, args.output, stop_after=args.stop_after)

@@ -87,7 +87,7 @@ class Bank:
     continuations: tuple[tuple[int, ...], ...]
 
     def save(self, path: str) -> None:
-        from lookm_jax.train.checkpoint import write_atomic
+        from lookm_jax.train.runs import write_atomic
 
         write_atomic(path, json.dumps(dataclasses.asdict(self)).encode())
 

@@ -31,7 +31,7 @@ from lookm_jax.checks import is_real
 from lookm_jax.models import llama, llava
 from lookm_jax.train.data import Batch, BatchSpec, Encoder, single_picture_spec
 from lookm_jax.train import tower
-from lookm_jax.train.checkpoint import CHECKPOINT, LOG, arrays_of, load_checkpoint, save_checkpoint, truncate_log, write_atomic
+from lookm_jax.train.runs import CHECKPOINT, LOG, arrays_of, jit_step, load_checkpoint, save_checkpoint, truncate_log, write_atomic
 
 # Records written to LOG before stage 1's first step, each keyed by one of these: stage 0's steps
 # (`tower.pretrain`) and the anchor head's fit on a starting tower (`tower.fit_head`).
@@ -160,12 +160,7 @@ def make_step(cfg, tx: optax.GradientTransformation, image_norm_weight: float = 
             total += anchor_weight * anchor
         return total, (loss, metrics)
 
-    def step(trainable, opt_state, text_params, batch):
-        (_, (loss, metrics)), grads = jax.value_and_grad(objective, has_aux=True)(trainable, text_params, batch)
-        updates, opt_state = tx.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state, loss, metrics
-
-    return jax.jit(step, donate_argnums=(0, 1))
+    return jit_step(objective, tx)
 
 
 class HeldOut:

@@ -1,5 +1,6 @@
-"""What every training run here shares: atomic checkpoints with the optimizer state and the settings
-that shape the run, their refusal on a changed resume, and the log truncated to the checkpoint.
+"""What every training run here shares: the jitted optimizer step, atomic checkpoints with the
+optimizer state and the settings that shape the run, their refusal on a changed resume, and the log
+truncated to the checkpoint.
 
 A run's config is a frozen dataclass; the fields named in its class attribute `FREE_ON_RESUME`
 (evaluation and checkpoint cadence) may change on resume, every other one must not.
@@ -11,12 +12,27 @@ import dataclasses
 import json
 import os
 
+from typing import Callable
+
 import flax.serialization
 import jax
 import jax.numpy as jnp
+import optax
 
 CHECKPOINT = "checkpoint.msgpack"
 LOG = "log.jsonl"
+
+
+def jit_step(objective: Callable, tx: optax.GradientTransformation) -> Callable:
+    """(trainable, opt_state, frozen, batch) -> (trainable, opt_state, loss, metrics), jitted, the
+    trainable parameters and optimizer state donated. `objective(trainable, frozen, batch)` returns
+    (the total minimised, (the loss to report, metrics)); static through the closure."""
+    def step(trainable, opt_state, frozen, batch):
+        (_, (loss, metrics)), grads = jax.value_and_grad(objective, has_aux=True)(trainable, frozen, batch)
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state, loss, metrics
+
+    return jax.jit(step, donate_argnums=(0, 1))
 
 
 def arrays_of(batch) -> dict:
