@@ -181,6 +181,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
                     stats[name] = stats[name].at[..., :end].add(col)
             return stats, _normalised_mix(weights, total, v_pre)
 
+        # Rematerialised under autodiff: a backward pass (training) keeps each block's q/k/v, not its
+        # [B, Hq, block, end] probabilities, which for 30 layers of a 1408-token prompt came to GBs.
+        # A forward pass compiles the same program either way.
+        step = jax.checkpoint(step, prevent_cse=False)
         stats, out = jax.lax.scan(step, stats, (jnp.arange(first, stop), q_blocks[first:stop], q_ok[first:stop]))
         outs.append(out)  # [stop - first, B, Hq, block, D]
     out = jnp.concatenate(outs).transpose(1, 2, 0, 3, 4).reshape(b, hq, n_blocks * block, d)
