@@ -42,8 +42,6 @@ from lookm_jax.train.runs import (LOG, arrays_of, jit_step, load_checkpoint, sav
 from lookm_jax.train.data import Batch, BatchSpec, Encoder, single_picture_spec
 from lookm_jax.train.vision import embedded_answer_metrics
 
-TRAINABLE = ("adapters", "projector")
-
 
 def _pictures(batch_size: int, low: int, high: int, turns: int, length: int, max_targets: int,
               text_facts: bool = True, kinds: tuple[str, ...] = scenes.PICTURE_KINDS) -> BatchSpec:
