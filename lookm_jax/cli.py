@@ -12,7 +12,7 @@ import os
 import sys
 
 from lookm_jax.cli_args import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, HelpFormatter, add_method_arguments,
-                                add_prompt_arguments, default_images, finite_float, int_at_least, leading_images,
+                                add_prompt_arguments, default_images, finite_float, int_at_least, check_image_markers,
                                 method_from_args, path_arg, read_prompt, seed_arg)
 from lookm_jax.errors import PARAM_DTYPES, InputError
 
@@ -64,13 +64,13 @@ def cmd_generate(args) -> int:
     images = [] if args.text_only else [open_image(path) for path in default_images(args)]
     if not images and not args.prompt_file and args.prompt == DEFAULT_PROMPT:
         prompt = DEFAULT_TEXT_PROMPT
-    leading = leading_images(prompt, len(images))  # too many <image> markers
+    check_image_markers(prompt, len(images))
     model = lookm_jax.load(args.model, args.dtype) if args.model else lookm_jax.load_default(args.dtype)
     _add_buckets(model, args.buckets)
     if not args.model:
         print(f"note: the demo model is the real SmolLM2-135M-Instruct decoder; {model.manifest['vision']}")
     pixel_values, tiles = model.preprocess_images(images) if images else (None, None)
-    input_ids = model.encode_chat(prompt, num_images=leading, image_tiles=tiles)
+    input_ids = model.encode_chat(prompt, num_images=len(images), image_tiles=tiles)
     result = model.run(input_ids, pixel_values, max_new_tokens=args.max_new_tokens, method=method,
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                        ignore_context_limit=args.ignore_context_limit)

@@ -152,26 +152,18 @@ def last_valid(h: jax.Array, lengths: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "sampling", "eos_ids"),
                    donate_argnames=("cache",))
 def decode(cfg: LlamaConfig, params: dict, first: jax.Array, cache: KVCache, key: jax.Array, *,
-           max_new_tokens: int, sampling: Sampling, eos_ids: tuple[int, ...],
-           forced: jax.Array | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+           max_new_tokens: int, sampling: Sampling, eos_ids: tuple[int, ...]) -> tuple[jax.Array, jax.Array, KVCache]:
     """Greedy/sampled decode from `first` [B]; `cache` is donated and returned advanced (its
     buffers alias the input's: no copy), so the caller must not reuse the cache it passed in.
 
-    forced: optional [B, F] int32, F < max_new_tokens: row r's tokens 1 .. F are forced[r] where it
-    is >= 0 (right-padded with -1), e.g. a question fed after the cache was compressed; `first` then
-    counts as forced too, and a forced EOS does not end the row. Static: cfg, max_new_tokens, sampling, eos_ids. Returns (tokens
-    [B, max_new_tokens] int32, with the first EOS kept and every later slot set to eos_ids[0],
-    lengths [B] = tokens up to and including EOS, cache).
+    Static: cfg, max_new_tokens, sampling, eos_ids. Returns (tokens [B, max_new_tokens] int32, with
+    the first EOS kept and every later slot set to eos_ids[0], lengths [B] = tokens up to and
+    including EOS, cache).
     """
     eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
     fill = eos[0]
     tokens = jnp.zeros((first.shape[0], max_new_tokens), jnp.int32).at[:, 0].set(first)
-    done = jnp.isin(first, eos) if forced is None else jnp.zeros(first.shape, bool)
-    if forced is None:
-        forced = jnp.full((first.shape[0], 0), -1, jnp.int32)
-    if forced.shape[1] >= max_new_tokens:
-        raise ValueError(f"forced tokens ({forced.shape[1]}) must be fewer than max_new_tokens ({max_new_tokens})")
-    forced = jnp.pad(forced, ((0, 0), (1, max_new_tokens - 1 - forced.shape[1])), constant_values=-1)  # by step
+    done = jnp.isin(first, eos)
     lengths = jnp.ones_like(first)
 
     def cond(state):
@@ -184,10 +176,7 @@ def decode(cfg: LlamaConfig, params: dict, first: jax.Array, cache: KVCache, key
         h, cache = llama.decode_step(cfg, params, x, cache)
         token = sample(llama.lm_logits(params, h), jax.random.fold_in(key, step), sampling)
         token = jnp.where(done, fill, token)
-        is_forced = forced[:, step] >= 0
-        token = jnp.where(is_forced, forced[:, step], token)
-        return (step + 1, tokens.at[:, step].set(token), cache, done | (~is_forced & jnp.isin(token, eos)),
-                lengths + ~done)
+        return step + 1, tokens.at[:, step].set(token), cache, done | jnp.isin(token, eos), lengths + ~done
 
     init = (jnp.asarray(1, jnp.int32), tokens, cache, done, lengths)
     _, tokens, cache, _, lengths = jax.lax.while_loop(cond, body, init)

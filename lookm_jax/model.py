@@ -244,18 +244,25 @@ class Model:
             raise InputError(f"images must be a non-empty list of image files or PIL images, got {images!r:.80}")
         return self.processor.preprocess([inputs.open_image(i) for i in images])
 
-    def encode_chat(self, prompt: str, num_images: int = 0, image_tiles: Sequence[int] | None = None) -> np.ndarray:
+    def encode_chat(self, prompt: str, num_images: int | None = None,
+                    image_tiles: Sequence[int] | None = None) -> np.ndarray:
         """A user turn rendered with the model's chat template -> ids [1, L].
 
-        `num_images` images go before the text; "<image>" markers inside `prompt` place further
-        images inline (MileBench-style interleaving). Every image expands to its placeholder tokens.
-        Tiling architectures (InternVL) need `image_tiles`: each image's tile count, in order, from
-        `preprocess_images`.
+        `num_images` counts every image of the turn: "<image>" markers inside `prompt` place that
+        many inline (MileBench-style interleaving), the rest go before the text; None (the
+        default) means the markers place them all. More markers than `num_images` is refused.
+        Every image expands to its placeholder tokens. Tiling architectures (InternVL) need
+        `image_tiles`: each image's tile count, in order, from `preprocess_images`.
         """
-        count = as_int(num_images)
+        inline = prompt.count(processors.IMAGE_MARKER) if isinstance(prompt, str) else 0
+        count = inline if num_images is None else as_int(num_images)
         if count is None or count < 0:
-            raise InputError(f"num_images must be an int >= 0, got {num_images!r}")
-        num_images = count
+            raise InputError(f"num_images must be an int >= 0 or None, got {num_images!r}")
+        if inline > count:
+            raise InputError(f"the prompt has {inline} {processors.IMAGE_MARKER} markers but num_images={count}; "
+                             "num_images counts all the turn's images (the markers place that many, the rest go "
+                             "before the text)")
+        num_images = count - inline
         if not isinstance(prompt, str):
             raise InputError(f"prompt must be a str, got {type(prompt).__name__}")
         try:

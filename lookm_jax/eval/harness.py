@@ -90,8 +90,8 @@ class Prompt:
     answer: str
     pixel_values: np.ndarray | None  # [num_images, 3, H, W], in marker order
     fields: dict = dataclasses.field(default_factory=dict)  # more columns of its rows (e.g. the depth)
-    # The end of the user turn (e.g. the question) asked after the cache is compressed: fed as
-    # forced decode tokens, so the answer depends on the compressed cache alone ("": none).
+    # The end of the user turn (e.g. the question) asked after the cache is compressed: prefilled
+    # onto the compressed cache in one block, so the answer depends on it alone ("": none).
     after: str = ""
 
 
@@ -108,12 +108,12 @@ def read_rows(path: str, schema: Mapping[str, Field]) -> list[dict]:
     return jsonl.read_records(path, schema, "benchmark row")
 
 
-def encode_batch(model, texts: Sequence[str], leading_images: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """User turns (with inline "<image>" markers, after `leading_images` more) -> right-padded
-    chat-templated ids [B, L] int32 and their mask [B, L] bool."""
+def encode_batch(model, texts: Sequence[str], num_images: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """User turns of `num_images` images each (`Model.encode_chat`: None, those the inline "<image>"
+    markers place) -> right-padded chat-templated ids [B, L] int32 and their mask [B, L] bool."""
     from lookm_jax.generate import right_pad
 
-    return right_pad([model.encode_chat(t, num_images=leading_images)[0] for t in texts], 0)
+    return right_pad([model.encode_chat(t, num_images=num_images)[0] for t in texts], 0)
 
 
 def batch_inputs(model, batch: Sequence[Prompt]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

@@ -168,7 +168,7 @@ def ask(model, pictures: list | None, prompts: list[str], batch_size: int = 12, 
     answers = []
     for start in range(0, len(prompts), batch_size):
         chunk = range(start, min(start + batch_size, len(prompts)))
-        ids, mask = harness.encode_batch(model, [prompts[i] for i in chunk], leading_images=int(pictures is not None))
+        ids, mask = harness.encode_batch(model, [prompts[i] for i in chunk], num_images=int(pictures is not None))
         pixels = None
         if pictures is not None:
             size = model.config.pixel_shape[-1]
