@@ -9,7 +9,8 @@ decode loop. The context is never consumed: it answers any number of questions. 
 the next turn of a conversation (`lookm_jax.chat` renders turns with the chat template).
 
 Programs are compiled per (context capacity, batch, question bucket, added room, max_new_tokens,
-sampling): a new question length inside its bucket (`generate.QUESTION_BUCKETS`) reuses them.
+sampling): a new question length inside its bucket (`generate.QUESTION_BUCKETS`) reuses them, and
+a conversation's context grows a bucket at a time (`_room`), so its turns share them too.
 """
 
 from __future__ import annotations
@@ -27,9 +28,6 @@ from lookm_jax.cache import KVCache, kept_by_modality
 from lookm_jax.errors import InputError
 from lookm_jax.methods import Method, get_method
 
-# A context grows by multiples of this many slots when a question and its answer do not fit its
-# free slots, so the turns of a conversation share programs instead of compiling one per turn.
-ROOM_STEP = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +123,7 @@ def ask(model, context: Context, question_ids, attention_mask=None, max_new_toke
                          f"{limit} (max_position_embeddings); ask a shorter question or start a new context")
     ids, valid = gen.pack_prompts(*gen.right_pad(rows), gen.QUESTION_BUCKETS)
     width = ids.shape[1]
-    free = context.cache.capacity - context.used
-    room = 0 if free >= width + max_new_tokens else -(-(width + max_new_tokens - free) // ROOM_STEP) * ROOM_STEP
+    room = _room(context, width + max_new_tokens)
     if context.cache.capacity + room > inputs.MAX_SLOTS:
         raise InputError(f"the context's {context.cache.capacity + room} cache slots would exceed the "
                          f"{inputs.MAX_SLOTS} that int32 positions can number")
@@ -160,6 +157,20 @@ def ask(model, context: Context, question_ids, attention_mask=None, max_new_toke
     return Answer(tokens=tokens, lengths=answer_lengths, logits=np.asarray(logits), question_tokens=lengths,
                   cache_bytes=cache_bytes, compile_seconds=compile_prefill + compile_decode,
                   prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, context=extended)
+
+
+def _room(context: Context, slots: int) -> int:
+    """Empty slots to add to the context's cache for `slots` more. A fresh context grows by exactly
+    that; an extended one (a conversation) to the next of `generate.LONG_BUCKETS` (then multiples
+    of the largest), so its turns share programs until that fills instead of compiling one a turn."""
+    needed = context.used + slots
+    if needed <= context.cache.capacity:
+        return 0
+    if context.pending is None:
+        return needed - context.cache.capacity
+    largest = max(gen.LONG_BUCKETS)
+    grown = next((b for b in gen.LONG_BUCKETS if b >= needed), -(-needed // largest) * largest)
+    return grown - context.cache.capacity
 
 
 @functools.partial(jax.jit, donate_argnums=0)
