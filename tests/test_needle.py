@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 import os
 import re
@@ -219,23 +218,6 @@ def test_sweep_configs_cover_every_method_and_lookm_variant():
 
 # ---- the sweep on the tiny model ------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny_with_tokenizer(tiny):
-    """The tiny LLaVA with a word-level tokenizer over the haystack's words (digits one by one)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    words = sorted({w for part in needle._SUBJECTS + needle._VERBS + needle._OBJECTS + needle._PLACES
-                    + needle._TIMES + needle.NEEDLE_WORDS for w in part.lower().split()}
-                   | set("The What special magic number for is . ? Answer with the only".split())
-                   | set("0123456789"))
-    vocab = {"[UNK]": 0} | {w: i + 1 for i, w in enumerate(words)} | {"<image>": IMAGE_TOKEN}
-    assert len(vocab) < IMAGE_TOKEN
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(),
-                                                       pre_tokenizers.Digits(individual_digits=True)])
-    tokenizer.decoder = decoders.WordPiece()  # joins tokens with spaces
-    tokenizer.add_special_tokens(["<image>"])
-    return dataclasses.replace(tiny, tokenizer=tokenizer, _compiled={})
 
 
 @pytest.mark.slow
