@@ -148,3 +148,32 @@ def test_encode_chat_counts_every_image_once(llava, tiny_with_tokenizer):
                                   model.encode_chat("<image>\n<image>\nWhat"))
     with pytest.raises(InputError, match="the prompt has 6 <image> markers but num_images=2"):
         model.encode_chat(six, num_images=2)
+
+
+def test_a_per_slot_bias_shifts_the_question_s_attention(llava):
+    """`prefill_question`'s optional per-slot additive bias (N x [B, Hkv, S]): zeros change nothing;
+    a large negative bias on every context slot leaves the question attending to itself alone, as
+    on a cache with no context slot valid."""
+    import jax
+    import jax.numpy as jnp
+
+    model, contexts, questions, pixels = llava
+    ctx = model.prefill_context(*gen.right_pad(contexts)[:1], pixels, gen.right_pad(contexts)[1])
+    q_ids, q_valid = (jnp.asarray(a) for a in gen.pack_prompts(*gen.right_pad(questions), gen.QUESTION_BUCKETS))
+    cfg, params, key, room = model.text_config, model.params["text"], jax.random.key(0), 16
+    slots = ctx.cache.capacity + room
+
+    def logits(cache, bias=None):
+        return np.asarray(gen.prefill_question(cfg, params, cache, q_ids, q_valid, key, room=room,
+                                               sampling=gen.Sampling(), bias=bias)[1])
+
+    def bias(value):
+        shape = (len(contexts), cfg.num_kv_heads, slots)
+        return tuple(jnp.full(shape, value, jnp.float32) for _ in range(cfg.num_layers))
+
+    plain = logits(ctx.cache)
+    np.testing.assert_array_equal(logits(ctx.cache, bias(0.0)), plain)
+    empty = ctx.cache.replace(layer_positions=tuple(jnp.full_like(p, -1) for p in ctx.cache.layer_positions))
+    alone = logits(empty)
+    np.testing.assert_allclose(logits(ctx.cache, bias(-1e4)), alone, atol=1e-5, rtol=0)
+    assert np.abs(alone - plain).max() > 1e-3  # the context mattered (100x the tolerance)
