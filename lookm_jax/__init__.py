@@ -7,6 +7,8 @@ from lookm_jax.loading import load, load_default
 from lookm_jax.model import GenerationResult, Model
 from lookm_jax.sharding import make_mesh, shard_params
 from lookm_jax import sweep  # sweep.generate_methods: many methods from one prefill
+from lookm_jax.context import Answer, Context  # Model.prefill_context / Model.ask: compress once, ask many
+from lookm_jax import chat  # chat.Conversation: turns rendered with the chat template on one context
 
 
 # compression core

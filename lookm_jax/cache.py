@@ -85,10 +85,16 @@ class KVCache:
         read first and updates the buffers in place (unordered, it copies every layer's buffers on
         every decode step); elementwise, so on a mesh no device needs another's heads.
         """
-        zero = 0 * after  # 0 * x is not folded for floats
-        positions = jnp.broadcast_to(self.next_position[:, None, None], k.shape[:2] + (1,))
+        return self.write(index, k, v, self.next_position[:, None], after)
 
-        def put(layers, new, dep, slot_axis):  # new and dep shaped like the layer's buffer, 1 slot wide
+    def write(self, index: int, k: jax.Array, v: jax.Array, positions: jax.Array, after: jax.Array) -> "KVCache":
+        """Write a block of W tokens' k/v [B, Hkv, W, D] of layer `index` (static) at slots
+        [cursor, cursor + W), with original positions [B, W] (-1: an empty slot, e.g. padding).
+        ``after`` [B, Hkv, W, D] orders the write after this layer's read, as in `append`."""
+        zero = 0 * after  # 0 * x is not folded for floats
+        positions = jnp.broadcast_to(positions[:, None, :], k.shape[:3])  # [B, Hkv, W]
+
+        def put(layers, new, dep, slot_axis):  # new and dep shaped like the layer's buffer, W slots wide
             start = [0] * new.ndim
             start[slot_axis] = self.cursor
             new = new.astype(layers[index].dtype) + dep.astype(layers[index].dtype)
@@ -96,13 +102,30 @@ class KVCache:
             return layers[:index] + (updated,) + layers[index + 1:]
 
         return self.replace(
-            layer_keys=put(self.layer_keys, k.swapaxes(-1, -2), zero.swapaxes(-1, -2), 3),  # [B, Hkv, D, 1]
+            layer_keys=put(self.layer_keys, k.swapaxes(-1, -2), zero.swapaxes(-1, -2), 3),  # [B, Hkv, D, W]
             layer_values=put(self.layer_values, v, zero, 2),
             layer_positions=put(self.layer_positions, positions, zero[..., 0], 2))
 
-    def advance(self) -> "KVCache":
-        """Move the cursor and every row's position on by one token."""
-        return self.replace(cursor=self.cursor + 1, next_position=self.next_position + 1)
+    def advance(self, slots: int = 1, tokens: jax.Array | None = None) -> "KVCache":
+        """Move the cursor on by `slots` (static) and each row's position by `tokens` [B] (default:
+        `slots`; fewer where a written block ends in padding)."""
+        return self.replace(cursor=self.cursor + slots,
+                            next_position=self.next_position + (slots if tokens is None else tokens))
+
+    def grow(self, slots: int) -> "KVCache":
+        """The same cache with `slots` (static) more empty slots at the end of every layer (a copy)."""
+        pad = ((0, 0), (0, 0), (0, slots))
+        return self.replace(layer_keys=tuple(jnp.pad(k, pad[:2] + ((0, 0),) + pad[2:]) for k in self.layer_keys),
+                            layer_values=tuple(jnp.pad(v, pad + ((0, 0),)) for v in self.layer_values),
+                            layer_positions=tuple(jnp.pad(p, pad, constant_values=-1) for p in self.layer_positions))
+
+    def truncate_rows(self, ends: jax.Array) -> "KVCache":
+        """Row b keeps its slots below ends[b] [B]; its written slots from there to the cursor are
+        emptied and its next position moves back by as many. The cursor stays (it is shared)."""
+        slots = jnp.arange(self.capacity)
+        dropped = (slots[None] >= ends[:, None]) & (slots[None] < self.cursor)  # [B, S]
+        return self.replace(layer_positions=tuple(jnp.where(dropped[:, None], -1, p) for p in self.layer_positions),
+                            next_position=self.next_position - (self.cursor - ends))
 
     @staticmethod
     def concat_rows(caches: list["KVCache"]) -> "KVCache":
@@ -117,3 +140,17 @@ class KVCache:
         return KVCache(layer_keys=rows("layer_keys"), layer_values=rows("layer_values"),
                        layer_positions=rows("layer_positions"), cursor=caches[0].cursor,
                        next_position=jnp.concatenate([c.next_position for c in caches]))
+
+
+@jax.jit
+def kept_by_modality(positions: jax.Array, is_image: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Slots kept in a cache by modality, mean over layers and KV heads.
+
+    positions [N, B, Hkv, S] (-1 = empty), is_image [B, L] of the prompt's positions; positions
+    past the prompt (a question or an answer written after it) are text. -> (image [B], text [B]) float32.
+    """
+    kept = positions >= 0
+    length = is_image.shape[-1]
+    modality = jnp.broadcast_to(is_image[None, :, None, :], positions.shape[:3] + (length,))
+    image = jnp.take_along_axis(modality, jnp.clip(positions, 0, length - 1), axis=-1) & kept & (positions < length)
+    return image.sum(-1).mean(axis=(0, 2)), (kept & ~image).sum(-1).mean(axis=(0, 2))

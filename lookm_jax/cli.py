@@ -11,10 +11,11 @@ import importlib
 import os
 import sys
 
+from lookm_jax import chat_cli
 from lookm_jax.cli_args import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, HelpFormatter, add_method_arguments,
-                                add_prompt_arguments, default_images, finite_float, int_at_least, leading_images,
-                                method_from_args, path_arg, read_prompt, seed_arg)
-from lookm_jax.errors import PARAM_DTYPES, InputError
+                                add_prompt_arguments, check_image_markers, default_images, int_at_least,
+                                method_from_args, path_arg, read_prompt)
+from lookm_jax.errors import InputError
 
 # Command groups: `lookm eval NAME ...`, `lookm plot NAME ...`. Each module listed defines
 # `add_parser(subparsers)`, adding its command with `set_defaults(func=...)`; modules keep heavy
@@ -64,13 +65,17 @@ def cmd_generate(args) -> int:
     images = [] if args.text_only else [open_image(path) for path in default_images(args)]
     if not images and not args.prompt_file and args.prompt == DEFAULT_PROMPT:
         prompt = DEFAULT_TEXT_PROMPT
-    leading = leading_images(prompt, len(images))  # too many <image> markers
+    check_image_markers(prompt, len(images))
+    if args.question_after_compression:
+        chat_cli.split_question(prompt, len(images))  # refused before the model loads
     model = lookm_jax.load(args.model, args.dtype) if args.model else lookm_jax.load_default(args.dtype)
     _add_buckets(model, args.buckets)
     if not args.model:
         print(f"note: the demo model is the real SmolLM2-135M-Instruct decoder; {model.manifest['vision']}")
+    if args.question_after_compression:
+        return _generate_after_compression(args, model, prompt, images)
     pixel_values, tiles = model.preprocess_images(images) if images else (None, None)
-    input_ids = model.encode_chat(prompt, num_images=leading, image_tiles=tiles)
+    input_ids = model.encode_chat(prompt, num_images=len(images), image_tiles=tiles)
     result = model.run(input_ids, pixel_values, max_new_tokens=args.max_new_tokens, method=method,
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                        ignore_context_limit=args.ignore_context_limit)
@@ -89,6 +94,21 @@ def cmd_generate(args) -> int:
           f"{result.bucket} bucket + {result.new_slots} new-token slots)")
     print(f"compile {result.compile_seconds:.2f} s; prefill {result.prefill_seconds:.3f} s; "
           f"decode {result.decode_ms_per_token:.1f} ms/token")
+    return 0
+
+
+def _generate_after_compression(args, model, prompt: str, images: list) -> int:
+    """`lookm generate --question-after-compression`: the prompt's last line asked after the rest
+    (pictures and lines before it) is encoded and compressed."""
+    context, question = chat_cli.split_question(prompt, len(images))
+    conversation = chat_cli.start(args, model, context, images)
+    answer, result = conversation.ask(question, max_new_tokens=args.max_new_tokens, **chat_cli.sampling_kwargs(args))
+    print(f"question after compression: {question!r}, context with {len(images)} image(s)")
+    print(f"answer: {answer}")
+    print(chat_cli.describe_context(conversation, args.method))
+    steps = max(int(result.lengths[0]) - 1, 1)
+    print(f"compile {result.compile_seconds:.2f} s; question prefill {result.prefill_seconds:.3f} s "
+          f"({int(result.question_tokens[0])} tokens); decode {1e3 * result.decode_seconds / steps:.1f} ms/token")
     return 0
 
 
@@ -131,15 +151,12 @@ def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text (no arguments: the embedded offline demo)")
     add_prompt_arguments(g)
     g.add_argument("--text-only", action="store_true", help="no images, even on the demo model")
-    g.add_argument("--max-new-tokens", type=int_at_least(1), default=48, help="tokens to generate at most")
-    g.add_argument("--ignore-context-limit", action="store_true",
-                   help="run even when prompt + new tokens exceed the model's max_position_embeddings")
     g.add_argument("--buckets", type=int_at_least(1), nargs="+",
                    help="extra prompt bucket lengths, added to the table (default: none beyond 64 ... 16384)")
-    g.add_argument("--seed", type=seed_arg, default=0, help="sampling seed")
-    g.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass, in (0, 1]")
-    g.add_argument("--dtype", choices=PARAM_DTYPES, default="float32", help="parameter and activation dtype")
+    g.add_argument("--question-after-compression", action="store_true",
+                   help="encode and compress the pictures and the prompt's lines before its last, then ask the last "
+                        "line (as `lookm chat` asks)")
+    chat_cli.add_sampling_arguments(g, max_new_tokens=48)
     add_method_arguments(g)
     g.set_defaults(func=cmd_generate)
 
@@ -148,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="lookm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    chat_cli.add_parser(sub)
     sub.add_parser("methods", help="list the compression methods, their parameters and defaults").set_defaults(
         func=cmd_methods)
     c = sub.add_parser("convert", help="convert a checkpoint into a converted folder (fast to load)")

@@ -139,9 +139,9 @@ def default_images(args) -> list[str]:
     return [] if args.model else DEFAULT_IMAGES
 
 
-def leading_images(prompt: str, n_images: int) -> int:
-    """How many of n_images go before the prompt: those its "<image>" markers do not place inline."""
+def check_image_markers(prompt: str, n_images: int) -> None:
+    """Refuse a prompt with more "<image>" markers than images (the markers place that many of the
+    images, `Model.encode_chat`'s num_images counts them all); checked before the model loads."""
     inline = prompt.count(IMAGE_MARKER)
     if inline > n_images:
         raise InputError(f"the prompt has {inline} {IMAGE_MARKER} markers but {n_images} image(s) were given")
-    return n_images - inline

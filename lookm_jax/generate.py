@@ -7,6 +7,10 @@ Two compiled programs per (config, method, bucket, max_new_tokens, sampling):
       The cache argument is donated, so XLA updates it in place instead of copying it per call.
 Arrays flow from one to the other on the device: nothing returns to the host in between.
 Prompts are right-padded to a static bucket length, so every prompt of a bucket reuses both programs.
+
+Compress once, ask many (`lookm_jax.context`): `prefill_context` encodes and compresses a context
+alone; `prefill_question` encodes a question onto a copy of that cache in one block (the context
+stays reusable) and picks the first answer token; `decode` continues from there.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ DEFAULT_BUCKETS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 409
 # Long prompts, when asked for (e.g. `Model(..., buckets=LONG_BUCKETS)`): the prefill's program does
 # not grow with the bucket and its memory is O(L x block), so only the arrays themselves grow.
 LONG_BUCKETS = DEFAULT_BUCKETS + (24576, 32768, 49152, 65536, 98304, 131072)
+# Question lengths (`prefill_question`): a question is short, so its block starts smaller.
+QUESTION_BUCKETS = (8, 16, 32) + DEFAULT_BUCKETS
 
 
 def bucket_length(length: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> int:
@@ -83,6 +89,28 @@ def prefill(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax.Array, 
     Static: cfg, method (its budgets), max_new_tokens, sampling. The bucket length is the static
     shape of input_ids. Returns (first token [B], cache, is_image [B, L_bucket]).
     """
+    h, cache, is_image = _compressed_prompt(cfg, params, input_ids, valid, pixel_values, method, max_new_tokens)
+    first = sample(llama.lm_logits(params["text"], last_valid(h, valid.sum(axis=1))), jax.random.fold_in(key, 0),
+                   sampling)
+    return first, cache, is_image
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "method"))
+def prefill_context(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax.Array, valid: jax.Array,
+                    pixel_values: jax.Array | None, *, method) -> tuple[KVCache, jax.Array]:
+    """Encode and compress a context once, for questions asked after it (`prefill_question`).
+
+    input_ids/valid [B, L_bucket] (right-padded), pixel_values [n_images, C, H, W] or None. Static:
+    cfg, method; the bucket length is input_ids' static shape. Returns (cache of capacity
+    method.capacity(L_bucket), full: cursor at the capacity; is_image [B, L_bucket]).
+    """
+    _, cache, is_image = _compressed_prompt(cfg, params, input_ids, valid, pixel_values, method, 0)
+    return cache, is_image
+
+
+def _compressed_prompt(cfg, params, input_ids, valid, pixel_values, method, room: int):
+    """Embed (images spliced) and encode a prompt, compressing every layer's K/V inside the layer
+    loop -> (final-normed h [B, L, H], cache of capacity method.capacity(L) + room, is_image [B, L])."""
     x, is_image = llava.embed(cfg, params, input_ids, pixel_values)
 
     def compress(q, k, v, stats):  # one layer, inside the layer loop: [B, Hkv, kept, D] slots
@@ -91,9 +119,29 @@ def prefill(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax.Array, 
 
     h, kept = llama.encode(llava.text_config(cfg), params["text"], x, valid, method.statistics, compress)
     lengths = valid.sum(axis=1).astype(jnp.int32)  # [B]
-    cache = constrain_cache(KVCache.from_prompt(*kept, lengths, max_new_tokens))  # placed as on the mesh, if any
-    first = sample(llama.lm_logits(params["text"], last_valid(h, lengths)), jax.random.fold_in(key, 0), sampling)
-    return first, cache, is_image
+    cache = constrain_cache(KVCache.from_prompt(*kept, lengths, room))  # placed as on the mesh, if any
+    return h, cache, is_image
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "room", "sampling"))
+def prefill_question(cfg: LlamaConfig, params: dict, cache: KVCache, question_ids: jax.Array, valid: jax.Array,
+                     key: jax.Array, *, room: int, sampling: Sampling,
+                     bias: tuple[jax.Array, ...] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+    """Prefill a question onto a (compressed) cache in one block, then pick the first answer token.
+
+    question_ids/valid [B, Q_bucket] (right-padded text ids), cache: its cursor after the context
+    (capacity >= cursor + Q_bucket after growing). Static: cfg (the text config), room (empty slots
+    added at the end of the cache first: a copy, so `cache` stays valid for the next question),
+    sampling; Q_bucket is the static shape of question_ids. The question attends to every valid
+    slot (`llama.encode_onto_cache`; bias: optional N x [B, Hkv, S + room] per-slot logits) and is
+    written after the context; nothing is evicted. Returns (first token [B], its logits [B, V] fp32,
+    the cache with the question written, ready for `decode`).
+    """
+    cache = cache.grow(room) if room else cache
+    x = llama.embed_tokens(params, question_ids)
+    h, cache = llama.encode_onto_cache(cfg, params, x, valid, cache, bias)
+    logits = llama.lm_logits(params, last_valid(h, valid.sum(axis=1)))
+    return sample(logits, jax.random.fold_in(key, 0), sampling), logits, cache
 
 
 def last_valid(h: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -104,26 +152,18 @@ def last_valid(h: jax.Array, lengths: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "sampling", "eos_ids"),
                    donate_argnames=("cache",))
 def decode(cfg: LlamaConfig, params: dict, first: jax.Array, cache: KVCache, key: jax.Array, *,
-           max_new_tokens: int, sampling: Sampling, eos_ids: tuple[int, ...],
-           forced: jax.Array | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+           max_new_tokens: int, sampling: Sampling, eos_ids: tuple[int, ...]) -> tuple[jax.Array, jax.Array, KVCache]:
     """Greedy/sampled decode from `first` [B]; `cache` is donated and returned advanced (its
     buffers alias the input's: no copy), so the caller must not reuse the cache it passed in.
 
-    forced: optional [B, F] int32, F < max_new_tokens: row r's tokens 1 .. F are forced[r] where it
-    is >= 0 (right-padded with -1), e.g. a question fed after the cache was compressed; `first` then
-    counts as forced too, and a forced EOS does not end the row. Static: cfg, max_new_tokens, sampling, eos_ids. Returns (tokens
-    [B, max_new_tokens] int32, with the first EOS kept and every later slot set to eos_ids[0],
-    lengths [B] = tokens up to and including EOS, cache).
+    Static: cfg, max_new_tokens, sampling, eos_ids. Returns (tokens [B, max_new_tokens] int32, with
+    the first EOS kept and every later slot set to eos_ids[0], lengths [B] = tokens up to and
+    including EOS, cache).
     """
     eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
     fill = eos[0]
     tokens = jnp.zeros((first.shape[0], max_new_tokens), jnp.int32).at[:, 0].set(first)
-    done = jnp.isin(first, eos) if forced is None else jnp.zeros(first.shape, bool)
-    if forced is None:
-        forced = jnp.full((first.shape[0], 0), -1, jnp.int32)
-    if forced.shape[1] >= max_new_tokens:
-        raise ValueError(f"forced tokens ({forced.shape[1]}) must be fewer than max_new_tokens ({max_new_tokens})")
-    forced = jnp.pad(forced, ((0, 0), (1, max_new_tokens - 1 - forced.shape[1])), constant_values=-1)  # by step
+    done = jnp.isin(first, eos)
     lengths = jnp.ones_like(first)
 
     def cond(state):
@@ -136,10 +176,7 @@ def decode(cfg: LlamaConfig, params: dict, first: jax.Array, cache: KVCache, key
         h, cache = llama.decode_step(cfg, params, x, cache)
         token = sample(llama.lm_logits(params, h), jax.random.fold_in(key, step), sampling)
         token = jnp.where(done, fill, token)
-        is_forced = forced[:, step] >= 0
-        token = jnp.where(is_forced, forced[:, step], token)
-        return (step + 1, tokens.at[:, step].set(token), cache, done | (~is_forced & jnp.isin(token, eos)),
-                lengths + ~done)
+        return step + 1, tokens.at[:, step].set(token), cache, done | jnp.isin(token, eos), lengths + ~done
 
     init = (jnp.asarray(1, jnp.int32), tokens, cache, done, lengths)
     _, tokens, cache, _, lengths = jax.lax.while_loop(cond, body, init)
@@ -166,6 +203,15 @@ def pack_prompts(input_ids, attention_mask=None, buckets: tuple[int, ...] = DEFA
     valid = np.arange(bucket)[None] < lengths[:, None]
     packed[valid] = ids[mask]
     return packed, valid
+
+
+def right_pad(rows, fill: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Token rows of different lengths -> (int32 [B, longest] padded with `fill`, mask [B, longest] bool)."""
+    ids = np.full((len(rows), max(len(r) for r in rows)), fill, np.int32)
+    mask = np.zeros(ids.shape, bool)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], mask[i, :len(r)] = r, True
+    return ids, mask
 
 
 # ---- prefill once, compress with several methods ---------------------------------------------------

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lookm_jax import generate as gen, inputs, sharding
+from lookm_jax import context as ctx_mod, generate as gen, inputs, sharding
+from lookm_jax.cache import kept_by_modality
 from lookm_jax.checks import as_int
 from lookm_jax.errors import InputError
 from lookm_jax.methods import get_method
@@ -33,18 +34,6 @@ def forward_logits(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax.
     x, _ = llava.embed(cfg, params, input_ids, pixel_values)
     h = llama.forward(llava.text_config(cfg), params["text"], x, valid)
     return llama.lm_logits(params["text"], h)
-
-
-@jax.jit
-def kept_by_modality(positions: jax.Array, is_image: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Prompt slots kept in a cache, mean over layers and KV heads.
-
-    positions [N, B, Hkv, S] (-1 = empty), is_image [B, L] -> (image [B], text [B]) float32.
-    """
-    kept = positions >= 0
-    modality = jnp.broadcast_to(is_image[None, :, None, :], positions.shape[:3] + is_image.shape[-1:])
-    image = jnp.take_along_axis(modality, jnp.maximum(positions, 0), axis=-1) & kept
-    return image.sum(-1).mean(axis=(0, 2)), (kept & ~image).sum(-1).mean(axis=(0, 2))
 
 
 @contextlib.contextmanager
@@ -194,6 +183,32 @@ class Model:
             full_cache_bytes=full_bytes, compile_seconds=compile_seconds, prefill_seconds=prefill_seconds,
             decode_seconds=decode_seconds)
 
+    def prefill_context(self, input_ids, pixel_values=None, attention_mask=None, *, method=None,
+                        ignore_context_limit: bool = False) -> ctx_mod.Context:
+        """Encode and compress a context once (pictures and text, no question) -> a reusable
+        `Context`; ask it questions with `ask`. Inputs as for `run`."""
+        return ctx_mod.prefill_context(self, input_ids, pixel_values, attention_mask, method=method,
+                                       ignore_context_limit=ignore_context_limit)
+
+    def ask(self, context: ctx_mod.Context, question_ids, attention_mask=None, max_new_tokens: int = 32, *,
+            temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, extend: bool = False,
+            ignore_context_limit: bool = False) -> ctx_mod.Answer:
+        """Prefill question ids [B, Q] onto `context` in one block and decode the answer; `context`
+        stays reusable. `extend=True`: `Answer.context` continues the conversation. See
+        `lookm_jax.context.ask`."""
+        return ctx_mod.ask(self, context, question_ids, attention_mask, max_new_tokens, temperature=temperature,
+                           top_p=top_p, seed=seed, extend=extend, ignore_context_limit=ignore_context_limit)
+
+    def _program(self, signature: tuple, lower) -> tuple[Any, float]:
+        """The compiled program under `signature`, from `lower()` (a `jax.stages.Lowered`) on its
+        first use, and the seconds compiling took now."""
+        if signature in self._compiled:
+            return self._compiled[signature], 0.0
+        start = time.perf_counter()
+        with jax.set_mesh(self.mesh):  # None: no mesh
+            self._compiled[signature] = lower().compile()
+        return self._compiled[signature], time.perf_counter() - start
+
     def _programs(self, args: tuple, method, max_new_tokens: int, sampling: gen.Sampling):
         """The compiled prefill and decode of `run`'s arguments (compiled on their first call) and the
         seconds compiling took now."""
@@ -229,18 +244,25 @@ class Model:
             raise InputError(f"images must be a non-empty list of image files or PIL images, got {images!r:.80}")
         return self.processor.preprocess([inputs.open_image(i) for i in images])
 
-    def encode_chat(self, prompt: str, num_images: int = 0, image_tiles: Sequence[int] | None = None) -> np.ndarray:
+    def encode_chat(self, prompt: str, num_images: int | None = None,
+                    image_tiles: Sequence[int] | None = None) -> np.ndarray:
         """A user turn rendered with the model's chat template -> ids [1, L].
 
-        `num_images` images go before the text; "<image>" markers inside `prompt` place further
-        images inline (MileBench-style interleaving). Every image expands to its placeholder tokens.
-        Tiling architectures (InternVL) need `image_tiles`: each image's tile count, in order, from
-        `preprocess_images`.
+        `num_images` counts every image of the turn: "<image>" markers inside `prompt` place that
+        many inline (MileBench-style interleaving), the rest go before the text; None (the
+        default) means the markers place them all. More markers than `num_images` is refused.
+        Every image expands to its placeholder tokens. Tiling architectures (InternVL) need
+        `image_tiles`: each image's tile count, in order, from `preprocess_images`.
         """
-        count = as_int(num_images)
+        inline = prompt.count(processors.IMAGE_MARKER) if isinstance(prompt, str) else 0
+        count = inline if num_images is None else as_int(num_images)
         if count is None or count < 0:
-            raise InputError(f"num_images must be an int >= 0, got {num_images!r}")
-        num_images = count
+            raise InputError(f"num_images must be an int >= 0 or None, got {num_images!r}")
+        if inline > count:
+            raise InputError(f"the prompt has {inline} {processors.IMAGE_MARKER} markers but num_images={count}; "
+                             "num_images counts all the turn's images (the markers place that many, the rest go "
+                             "before the text)")
+        num_images = count - inline
         if not isinstance(prompt, str):
             raise InputError(f"prompt must be a str, got {type(prompt).__name__}")
         try:

@@ -14,7 +14,7 @@ import io
 import os
 
 from lookm_jax.checks import check_output_file
-from lookm_jax.cli_args import add_prompt_arguments, default_images, leading_images, path_arg, read_prompt
+from lookm_jax.cli_args import add_prompt_arguments, default_images, check_image_markers, path_arg, read_prompt
 from lookm_jax.errors import InputError
 from lookm_jax.eval.harness import CSV_COLUMNS as SWEEP_COLUMNS  # what `lookm eval needle/scenes` write
 from lookm_jax.eval.jsonl import Field
@@ -348,10 +348,10 @@ def cmd_attention(args) -> int:
     _check_output(args.output)
     prompt = read_prompt(args)
     images = default_images(args)
-    leading = leading_images(prompt, len(images))  # too many <image> markers
+    check_image_markers(prompt, len(images))
     model = lookm_jax.load(args.model) if args.model else lookm_jax.load_default()
     pixel_values, tiles = model.preprocess_images(images) if images else (None, None)
-    input_ids = model.encode_chat(prompt, num_images=leading, image_tiles=tiles)
+    input_ids = model.encode_chat(prompt, num_images=len(images), image_tiles=tiles)
     received = attention_received(model, input_ids, pixel_values)  # [N, L]
     is_image = (input_ids[0] == model.config.image_token_id) if model.is_multimodal else np.zeros(input_ids.shape[1], bool)
     summary = modality_summary(received, is_image)

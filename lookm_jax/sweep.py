@@ -30,9 +30,10 @@ def generate_methods(model, input_ids, pixel_values=None, attention_mask=None, m
     methods of equal capacity decode together, up to `max_decode_rows` rows per `generate.decode`
     call (at least one method's B rows). Inputs are checked as `Model.run` checks them.
 
-    after: optional [B, A] int32 tokens (right-padded with -1, at least one per row) fed through the
-    compressed cache before generating, e.g. the rest of the turn with the question: the answer
-    then depends on the compressed cache alone, not on the prefill's last logits.
+    after: optional [B, A] int32 tokens (right-padded with -1, at least one per row) prefilled onto
+    each compressed cache in one block before generating (`generate.prefill_question`, as
+    `Model.ask` asks), e.g. the rest of the turn with the question: the answer then depends on the
+    compressed cache alone, not on the prefill's last logits.
     """
     if not isinstance(methods, (list, tuple)) or not methods:
         raise InputError(f"methods must be a non-empty list of methods (lookm_jax.get_method), got {methods!r:.80}")
@@ -44,8 +45,8 @@ def generate_methods(model, input_ids, pixel_values=None, attention_mask=None, m
     prompt = inputs.prepare(model, input_ids, pixel_values, attention_mask, fed + max_new_tokens, methods,
                             ignore_context_limit)
     batch, bucket = prompt.ids.shape
-    if after is not None:
-        after = _after_tokens(model, after, batch)
+    question = None if after is None else _question(model, after, batch)
+    asked = 0 if question is None else question[0].shape[1]  # the question's bucket: slots it takes in the cache
     key = jax.random.key(0)
     sampling = gen.Sampling()
     prefilled = gen.prefill_states(
@@ -56,23 +57,30 @@ def generate_methods(model, input_ids, pixel_values=None, attention_mask=None, m
     for i, m in enumerate(methods):
         by_capacity.setdefault(m.capacity(bucket), []).append(i)
     per_call = max(1, max_decode_rows // batch)
-    text_config = model.text_config
+    text_config, params = model.text_config, model.params["text"]
     out: list[np.ndarray | None] = [None] * len(methods)
     for indices in by_capacity.values():
         for start in range(0, len(indices), per_call):
             chunk = indices[start:start + per_call]
-            caches = [gen.compress_prefilled(prefilled, method=methods[i], max_new_tokens=fed + max_new_tokens)
-                      for i in chunk]
-            if after is None:
-                first, forced = jnp.tile(prefilled.first, len(chunk)), None
-            else:
-                first, forced = jnp.tile(after[:, 0], len(chunk)), jnp.tile(after[:, 1:], (len(chunk), 1))
-            tokens, _, _ = gen.decode(text_config, model.params["text"], first, KVCache.concat_rows(caches),
-                                      key, max_new_tokens=fed + max_new_tokens, sampling=sampling,
-                                      eos_ids=text_config.eos_token_ids, forced=forced)
+            cache = KVCache.concat_rows([gen.compress_prefilled(prefilled, method=methods[i],
+                                                                max_new_tokens=asked + max_new_tokens) for i in chunk])
+            if question is None:
+                first = jnp.tile(prefilled.first, len(chunk))
+            else:  # prefilled onto the compressed cache in one block, as `Model.ask` asks
+                q_ids, q_valid = (jnp.tile(a, (len(chunk), 1)) for a in question)
+                first, _, cache = gen.prefill_question(text_config, params, cache, q_ids, q_valid, key, room=0,
+                                                       sampling=sampling)
+            tokens, _, _ = gen.decode(text_config, params, first, cache, key, max_new_tokens=max_new_tokens,
+                                      sampling=sampling, eos_ids=text_config.eos_token_ids)
             for i, rows in zip(chunk, np.split(np.asarray(tokens), len(chunk))):
-                out[i] = rows if after is None else _answers(rows, after, max_new_tokens)
+                out[i] = rows
     return out
+
+
+def _question(model, after, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """`after` ([batch, A] ids right-padded with -1), checked -> (ids, valid) [batch, question bucket]."""
+    after = _after_tokens(model, after, batch)
+    return gen.pack_prompts(np.maximum(after, 0), after >= 0, gen.QUESTION_BUCKETS)
 
 
 def _after_tokens(model, after, batch: int) -> np.ndarray:
@@ -88,8 +96,3 @@ def _after_tokens(model, after, batch: int) -> np.ndarray:
         raise InputError(f"after holds ids outside the vocabulary [0, {vocab}): first {int(after[after >= vocab][0])}")
     return after.astype(np.int32)
 
-
-def _answers(tokens: np.ndarray, after: np.ndarray, n: int) -> np.ndarray:
-    """tokens [B, A + n] that begin with each row's `after` tokens -> the n that follow them [B, n]."""
-    starts = (after >= 0).sum(1)
-    return np.stack([row[start:start + n] for row, start in zip(tokens, starts)])

@@ -19,7 +19,7 @@ weight in place: slicing a layer out of a stacked array inside the loop copies i
 
 `encode` runs the layer loop over a whole padded prompt (the logits path, the compressing
 prefill, the shared prefill and the attention analysis call it with their own per-layer hook);
-`decode_step` appends one token.
+`decode_step` appends one token; `encode_onto_cache` a block of tokens (a question after a context).
 """
 
 from __future__ import annotations
@@ -120,18 +120,24 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
 
 
 def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array, k: jax.Array,
-                v: jax.Array) -> jax.Array:
-    """One decode step: q [B, Hq, 1, D] attends, in one softmax, to the cache (k_cache [B, Hkv, D, S],
-    v_cache [B, Hkv, S, D], valid slots mask [B, Hkv, S]: `KVCache.layer`) and to its own token
-    (k/v [B, Hkv, 1, D]).
+                v: jax.Array, own_mask: jax.Array | bool = True, bias: jax.Array | None = None) -> jax.Array:
+    """Q new tokens attend, in one softmax, to the cache (k_cache [B, Hkv, D, S], v_cache
+    [B, Hkv, S, D], valid slots mask [B, Hkv, S]: `KVCache.layer`) and to their own block (k/v
+    [B, Hkv, Q, D]): q [B, Hq, Q, D] -> [B, Hq, Q, D]. A decode step is Q = 1.
 
-    Returns [B, Hq, 1, D]. The cache is read before the token is written into it
-    (``KVCache.append(..., after=)``): reading the updated buffer would make XLA copy the cache.
+    own_mask: which of the block's keys each query sees, broadcastable to [B, Hkv, G, Q, Q] (a
+    question prefilled onto the cache: causal and not padding; True for one token). bias: optional
+    additive logits per cache slot [B, Hkv, S] (e.g. a per-slot log-count); None adds nothing.
+    The cache is read before the block is written into it (``KVCache.append``/``write(..., after=)``):
+    reading the updated buffer would make XLA copy the cache.
     """
-    cached = _masked_scores(q, k_cache, mask[:, :, None, None, :], slots_minor=True)  # [B, Hkv, G, 1, S]
-    own = _masked_scores(q, k, True)  # [B, Hkv, G, 1, 1]
+    cached = _masked_scores(q, k_cache, mask[:, :, None, None, :], slots_minor=True)  # [B, Hkv, G, Q, S]
+    if bias is not None:
+        cached = cached + bias[:, :, None, None, :].astype(cached.dtype)
+    own = _masked_scores(q, k, own_mask)  # [B, Hkv, G, Q, Q]
     probs = jax.nn.softmax(jnp.concatenate([cached, own], axis=-1), axis=-1)
-    return _mix_values(probs[..., :-1], v_cache) + _mix_values(probs[..., -1:], v)
+    slots = cached.shape[-1]
+    return _mix_values(probs[..., :slots], v_cache) + _mix_values(probs[..., slots:], v)
 
 
 def _query_groups(n_blocks: int) -> list[tuple[int, int]]:
@@ -289,6 +295,31 @@ def decode_step(cfg: LlamaConfig, params: dict, x: jax.Array, cache: KVCache) ->
         cache = cache.append(index, k, v, after=attn.reshape(k.shape[:2] + (-1,) + k.shape[2:])[:, :, 0])
         h = finish_layer(cfg, lp, h, attn)
     return final_hidden(cfg, params, h[:, 0]), cache.advance()
+
+
+def encode_onto_cache(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array, cache: KVCache,
+                      bias: tuple[jax.Array, ...] | None = None) -> tuple[jax.Array, KVCache]:
+    """Encode a block of new tokens onto a cache in one pass (a question after a compressed context).
+
+    x [B, Q, H] embeddings, right-padded, valid [B, Q]. Every layer's queries attend to every valid
+    cache slot and causally to the block's valid tokens (`attend_step`); the block's k/v are written
+    at slots [cursor, cursor + Q), at each row's next positions (padding as empty slots), so decode
+    continues after it. bias: optional N x [B, Hkv, S] additive logits per cache slot. Needs
+    cache.capacity >= cursor + Q. Returns (normed hidden [B, Q, H], cache advanced by Q slots and
+    each row's valid count of positions).
+    """
+    width = x.shape[1]
+    positions = cache.next_position[:, None] + jnp.arange(width)  # [B, Q]
+    cos, sin = rope_tables(cfg, positions, x.dtype)
+    own_mask = jnp.tril(jnp.ones((width, width), bool)) & valid[:, None, None, None, :]  # [B, 1, 1, Q, Q]
+    written = jnp.where(valid, positions, -1)
+    h = x
+    for index, lp in enumerate(params["layers"]):
+        q, k, v = project_qkv(cfg, lp, h, cos, sin)  # q [B, Hq, Q, D], k/v [B, Hkv, Q, D]
+        attn = attend_step(q, *cache.layer(index), k, v, own_mask, None if bias is None else bias[index])
+        cache = cache.write(index, k, v, written, after=attn.reshape(k.shape[:2] + (-1,) + k.shape[2:])[:, :, 0])
+        h = finish_layer(cfg, lp, h, attn)
+    return final_hidden(cfg, params, h), cache.advance(width, valid.sum(axis=1).astype(jnp.int32))
 
 
 def _runtime_layer(cfg: LlamaConfig, stored: dict) -> dict:

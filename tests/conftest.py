@@ -102,3 +102,26 @@ def tiny(tiny_llava_folder):
     import lookm_jax
 
     return lookm_jax.load(tiny_llava_folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tiny):
+    """The tiny LLaVA with a word-level tokenizer over the haystack's words (digits one by one)."""
+    import dataclasses
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from lookm_jax.eval import needle
+
+    words = sorted({w for part in needle._SUBJECTS + needle._VERBS + needle._OBJECTS + needle._PLACES
+                    + needle._TIMES + needle.NEEDLE_WORDS for w in part.lower().split()}
+                   | set("The What special magic number for is . ? Answer with the only".split())
+                   | set("0123456789"))
+    vocab = {"[UNK]": 0} | {w: i + 1 for i, w in enumerate(words)} | {"<image>": IMAGE_TOKEN}
+    assert len(vocab) < IMAGE_TOKEN
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(),
+                                                       pre_tokenizers.Digits(individual_digits=True)])
+    tokenizer.decoder = decoders.WordPiece()  # joins tokens with spaces
+    tokenizer.add_special_tokens(["<image>"])
+    return dataclasses.replace(tiny, tokenizer=tokenizer, _compiled={})

@@ -204,3 +204,38 @@ def test_generate_refuses_a_converted_folder_whose_config_disagrees(tiny_llava_f
     (dst / store.MANIFEST).write_text(json.dumps(manifest))
     _fails(capsys, ["generate", "--text-only", "--model", str(dst), "--prompt", "hi"],
            "text.layers.attn_norm has shape (2, 48)", "config implies (10, 48)")
+
+
+def test_chat_answers_questions_from_stdin_on_one_compressed_context(cli_demo, capsys, monkeypatch):
+    """`lookm chat` scripted through stdin: the cache size printed once, an answer a question; a bad
+    question (a picture, one past the context length) gets one stderr line and the session goes on
+    with its context: the same answers as a session without them. `generate
+    --question-after-compression` answers the demo's question the same way."""
+    options = ["--method", "lookm", "--budget", "0.5", "--max-new-tokens", "8"]
+    questions = ["What colour is the shape in picture 2?", "What shape is in picture 1?"]
+    too_long = "word " * 8200  # SmolLM2's context is 8192 positions
+
+    def chat(lines):
+        monkeypatch.setattr("sys.stdin", io.StringIO("".join(f"{line}\n" for line in lines)))
+        assert cli.main(["chat", *options]) == 0
+        return capsys.readouterr()
+
+    clean = chat(questions)
+    out = chat([questions[0], "", "Is <image> red?", too_long, questions[1]])
+    assert out.out == clean.out and clean.err == ""
+    lines = out.out.splitlines()
+    assert len(lines) == 3 and lines[0].startswith("context: 164 tokens (128 image, 36 text), bucket 192; method lookm")
+    assert "(96 of 192 slots per layer and KV head kept)" in lines[0]
+    assert lines[1] == "answer: Yellow."
+    errors = out.err.splitlines()
+    assert len(errors) == 2 and all(e.startswith("lookm: error: ") for e in errors)
+    assert "a question cannot show pictures" in errors[0] and "passes the context length" in errors[1]
+    assert cli.main(["generate", "--question-after-compression", *options]) == 0
+    assert "answer: Yellow." in capsys.readouterr().out.splitlines()
+
+
+def test_chat_refusals(cli_demo, capsys):
+    (cli_demo / "fake.png").write_text("a text file")
+    _fails(capsys, ["chat", "--image", "fake.png"], "fake.png is not a readable image")
+    _fails(capsys, ["generate", "--question-after-compression", "--text-only", "--prompt", "Hello?"],
+           "--question-after-compression needs a context")

@@ -219,7 +219,7 @@ def test_other_requests_are_refused_with_input_error(tiny, prompt):
         tiny.preprocess_images([np.zeros((4, 4, 3), np.float32)])
     with pytest.raises(InputError, match=r"token ids must be in \[0, 251\), got \[-1\]"):
         tiny.decode_text([5, -1])
-    with pytest.raises(InputError, match="num_images must be an int >= 0, got -1"):
+    with pytest.raises(InputError, match="num_images must be an int >= 0 or None, got -1"):
         tiny.encode_chat("x", num_images=-1)
     with pytest.raises(InputError, match="path must be a folder or .gguf file path, got None"):
         lookm_jax.load(None)

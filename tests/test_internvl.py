@@ -237,6 +237,17 @@ def test_greedy_generation_matches_hf(tiny, chat):
     np.testing.assert_array_equal(model.generate(ids, pixels, max_new_tokens=NEW_TOKENS), ref)
 
 
+def test_a_question_asked_after_the_tiled_context_equals_run(tiny, chat):
+    """`ask` after `prefill_context` (two images, 1 and 3 tiles) equals `run` on the whole prompt:
+    tokens, and the first token's logits against the full forward (1e-5)."""
+    model = tiny[1]
+    _, ids, pixels, _ = chat
+    context, question = ids[:, :-3], ids[:, -3:]
+    answer = model.ask(model.prefill_context(context, pixels), question, max_new_tokens=NEW_TOKENS)
+    np.testing.assert_array_equal(answer.tokens, model.run(ids, pixels, max_new_tokens=NEW_TOKENS).tokens)
+    np.testing.assert_allclose(answer.logits, model.logits(ids, pixels)[:, -1], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("name", [name for name, _ in DEFAULTS])
 def test_every_method_runs_with_modality_counts_from_the_splice(tiny, chat, name):
     model = tiny[1]

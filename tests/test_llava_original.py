@@ -94,8 +94,8 @@ def test_encode_chat_splits_at_image_markers_and_lookm_generates(pair):
     stream as the llava-hf tokenizer's, with -200 placeholders; lookm at budget 0.5 runs on it."""
     hf_model, original = pair
     prompt = "w5 w6 <image> w7 w8 w9 w10"
-    ids = original.encode_chat(prompt, num_images=1)
-    expected = hf_model.encode_chat(prompt, num_images=1)
+    ids = original.encode_chat(prompt, num_images=2)  # one before the text, one at the marker
+    expected = hf_model.encode_chat(prompt, num_images=2)
     np.testing.assert_array_equal(ids, np.where(expected == IMAGE_TOKEN, IMAGE_TOKEN_INDEX, expected))
     assert (ids == IMAGE_TOKEN_INDEX).sum() == 50 and ids.shape == (1, 56)
     pixels = np.random.default_rng(1).standard_normal((2, 3, 30, 30)).astype(np.float32)

@@ -398,3 +398,28 @@ def test_a_bad_record_refuses_the_rerun_and_repeated_datasets_are_refused(tiny_f
     (tmp_path / "fake.png").write_text("x")  # an --output below a file: refused before anything runs
     assert main(["eval", "milebench", FIXTURE, "--output", str(tmp_path / "fake.png" / "sub")]) == 2
     assert "fake.png is a file, not a folder" in capsys.readouterr().err
+
+
+def test_the_question_asked_after_compression(tiny_folder, tmp_path, capsys):
+    """--ask-after-compression: the context up to the last image compressed alone, the question
+    prefilled onto it; with the full cache the predictions equal the question-in-prompt run's. Its
+    records are a config of their own (an "asked" column), beside records written before the field."""
+    import lookm_jax
+
+    def run(*extra):
+        from lookm_jax.cli import main
+
+        assert main(["eval", "milebench", FIXTURE, "--model", tiny_folder, "--datasets", "ActionLocalization",
+                     "--max-new-tokens", "3", "--output", str(tmp_path), *extra]) == 0
+
+    run()
+    run("--ask-after-compression")
+    records = mb.read_predictions(str(tmp_path / mb.PREDICTIONS))
+    assert [r["asked"] for r in records] == ["in prompt"] * 2 + ["after compression"] * 2
+    assert [r["prediction"] for r in records[:2]] == [r["prediction"] for r in records[2:]]
+    assert records[2]["prompt_tokens"] == records[0]["prompt_tokens"] and records[2]["image_tokens"] == 50
+    old = {k: v for k, v in records[0].items() if k != "asked"}
+    assert mb.record_config(old) == mb.record_config(records[0])
+    prompt = mb.build_prompt(lookm_jax.load(tiny_folder), mb.load_dataset(FIXTURE, "ActionLocalization")[0], 10_000)
+    assert 0 < prompt.question_start < prompt.input_ids.shape[1]
+    assert (prompt.input_ids[0, prompt.question_start:] != 250).all()  # the question: text after the last image

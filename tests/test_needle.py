@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 import os
 import re
@@ -84,7 +83,7 @@ def test_one_prefill_gives_every_method_the_cache_and_tokens_of_run(tiny, ragged
 
 
 def test_tokens_fed_after_compression_continue_the_prompt(tiny, ragged_batch):
-    """Text tokens fed through the cache after compression (`after`, a different count per row)
+    """Text tokens prefilled onto the cache after compression (`after`, a different count per row)
     answer as if they had ended the prompt: with the full cache, the same greedy tokens as
     `Model.run` on the whole prompt."""
     ids, pixels, mask = ragged_batch
@@ -117,21 +116,6 @@ def test_tokens_fed_after_compression_continue_the_prompt(tiny, ragged_batch):
             sweep.generate_methods(tiny, ids, pixels, mask, NEW, methods=[get_method("full")], max_decode_rows=rows)
     with pytest.raises(InputError, match=r"input_ids must be"):  # the prompt named before `after` is measured by it
         sweep.generate_methods(tiny, 5, after=[[1]], methods=[get_method("full")])
-    with pytest.raises(ValueError, match="must be fewer than max_new_tokens"):
-        gen.decode(tiny.text_config, tiny.params["text"], jnp.zeros(2, jnp.int32), None, jax.random.key(0),
-                   max_new_tokens=3, sampling=gen.Sampling(), eos_ids=(), forced=jnp.zeros((2, 3), jnp.int32))
-
-
-def test_a_forced_eos_does_not_end_the_row(tiny, prefilled):
-    """Fed tokens may hold an EOS id (a chat's end-of-turn): the row goes on to sample after them."""
-    _, prefilled = prefilled
-    cache = gen.compress_prefilled(prefilled, method=get_method("full"), max_new_tokens=NEW)
-    eos = 9
-    tokens, lengths, _ = gen.decode(tiny.text_config, tiny.params["text"], jnp.array([eos, 5], jnp.int32), cache,
-                                    jax.random.key(0), max_new_tokens=NEW, sampling=gen.Sampling(), eos_ids=(eos,),
-                                    forced=jnp.array([[eos, eos], [eos, -1]], jnp.int32))
-    np.testing.assert_array_equal(np.asarray(tokens)[:, :2], [[eos, eos], [5, eos]])
-    assert np.asarray(tokens)[0, 2] == eos and int(lengths[0]) > 3 and int(lengths[1]) > 2, (tokens, lengths)
 
 
 def test_compress_prefilled_refuses_what_the_prefill_did_not_keep(prefilled):
@@ -234,23 +218,6 @@ def test_sweep_configs_cover_every_method_and_lookm_variant():
 
 # ---- the sweep on the tiny model ------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny_with_tokenizer(tiny):
-    """The tiny LLaVA with a word-level tokenizer over the haystack's words (digits one by one)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    words = sorted({w for part in needle._SUBJECTS + needle._VERBS + needle._OBJECTS + needle._PLACES
-                    + needle._TIMES + needle.NEEDLE_WORDS for w in part.lower().split()}
-                   | set("The What special magic number for is . ? Answer with the only".split())
-                   | set("0123456789"))
-    vocab = {"[UNK]": 0} | {w: i + 1 for i, w in enumerate(words)} | {"<image>": IMAGE_TOKEN}
-    assert len(vocab) < IMAGE_TOKEN
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(),
-                                                       pre_tokenizers.Digits(individual_digits=True)])
-    tokenizer.decoder = decoders.WordPiece()  # joins tokens with spaces
-    tokenizer.add_special_tokens(["<image>"])
-    return dataclasses.replace(tiny, tokenizer=tokenizer, _compiled={})
 
 
 @pytest.mark.slow

@@ -90,8 +90,8 @@ class Prompt:
     answer: str
     pixel_values: np.ndarray | None  # [num_images, 3, H, W], in marker order
     fields: dict = dataclasses.field(default_factory=dict)  # more columns of its rows (e.g. the depth)
-    # The end of the user turn (e.g. the question) asked after the cache is compressed: fed as
-    # forced decode tokens, so the answer depends on the compressed cache alone ("": none).
+    # The end of the user turn (e.g. the question) asked after the cache is compressed: prefilled
+    # onto the compressed cache in one block, so the answer depends on it alone ("": none).
     after: str = ""
 
 
@@ -108,19 +108,12 @@ def read_rows(path: str, schema: Mapping[str, Field]) -> list[dict]:
     return jsonl.read_records(path, schema, "benchmark row")
 
 
-def encode_batch(model, texts: Sequence[str], leading_images: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """User turns (with inline "<image>" markers, after `leading_images` more) -> right-padded
-    chat-templated ids [B, L] int32 and their mask [B, L] bool."""
-    return _right_pad([model.encode_chat(t, num_images=leading_images)[0] for t in texts], 0)
+def encode_batch(model, texts: Sequence[str], num_images: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """User turns of `num_images` images each (`Model.encode_chat`: None, those the inline "<image>"
+    markers place) -> right-padded chat-templated ids [B, L] int32 and their mask [B, L] bool."""
+    from lookm_jax.generate import right_pad
 
-
-def _right_pad(rows: Sequence[np.ndarray], fill: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token rows of different lengths -> (int32 [B, longest] padded with `fill`, mask [B, longest])."""
-    ids = np.full((len(rows), max(len(r) for r in rows)), fill, np.int32)
-    mask = np.zeros(ids.shape, bool)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)], mask[i, :len(r)] = r, True
-    return ids, mask
+    return right_pad([model.encode_chat(t, num_images=num_images)[0] for t in texts], 0)
 
 
 def batch_inputs(model, batch: Sequence[Prompt]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -138,14 +131,16 @@ def encode_asked_after(model, batch: Sequence[Prompt]) -> tuple[np.ndarray, np.n
     rest of the chat [B, A] int32 right-padded with -1: the part, the end of the turn, the
     assistant's header). The split is where the chat with and without `after` first differ in
     tokens, so it never cuts a token of the chat as a whole."""
+    from lookm_jax.generate import right_pad
+
     heads, tails = [], []
     for p in batch:
         whole, without = model.encode_chat(p.text + p.after)[0], model.encode_chat(p.text)[0]
         n = next((i for i, (a, b) in enumerate(zip(whole, without)) if a != b), len(without))
         heads.append(whole[:n])
         tails.append(whole[n:])
-    ids, mask = _right_pad(heads, 0)
-    return ids, mask, _right_pad(tails, -1)[0]
+    ids, mask = right_pad(heads, 0)
+    return ids, mask, right_pad(tails, -1)[0]
 
 
 def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Prompt]], jsonl_path: str,

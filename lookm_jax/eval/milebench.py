@@ -57,10 +57,14 @@ NO_LETTERS = "GPR1200"  # its options are listed without letters (more than 26 o
 PREDICTIONS = "predictions.jsonl"
 DATASETS_CSV = "milebench_datasets.csv"
 GROUPS_CSV = "milebench_groups.csv"
-CONFIG_FIELDS = ("model", "method", "dtype", "max_new_tokens", "max_prompt_tokens", "adv")
+CONFIG_FIELDS = ("model", "method", "dtype", "max_new_tokens", "max_prompt_tokens", "adv", "asked")
+# Where the question (the text after the last image) is: in the prompt, as MileBench asks, or prefilled
+# onto the cache after the rest of the prompt is compressed (`--ask-after-compression`).
+ASKED = ("in prompt", "after compression")
 RECORD_SCHEMA = {  # what a predictions.jsonl record holds, as `read_predictions` checks it
     "model": Field(str), "method": Field(str), "dtype": Field(str, choices=PARAM_DTYPES),
-    "max_new_tokens": Field(int, 1), "max_prompt_tokens": Field(int, 1), "adv": Field(bool), "dataset": Field(str),
+    "max_new_tokens": Field(int, 1), "max_prompt_tokens": Field(int, 1), "adv": Field(bool),
+    "asked": Field(str, choices=ASKED, optional=True), "dataset": Field(str),
     "sample_id": Field(int), "score": Field(float, 0, 1)}
 _PLACEHOLDER = re.compile(r"\{(?:image|table)#\d+\}")
 
@@ -189,6 +193,7 @@ class Prompt:
     input_ids: np.ndarray  # [1, L] int32, image markers expanded
     images: tuple[str, ...]  # the images kept, in order
     truncated: bool
+    question_start: int  # where the text after the last image (the question) starts in input_ids
 
 
 def render(instruction: str, texts: list[str] | tuple[str, ...]) -> str:
@@ -221,7 +226,7 @@ def build_prompt(model, sample: Sample, max_tokens: int) -> Prompt:
 
     ids = model.encode_chat(render(sample.instruction, sample.texts))
     if ids.shape[1] <= max_tokens:
-        return Prompt(ids, sample.images, truncated=False)
+        return Prompt(ids, sample.images, False, _question_start(model, sample.instruction, sample.texts, ids))
     protected = model.encode_chat(render(sample.instruction, sample.texts[-1:])).shape[1]
     budget = max_tokens - protected
     if budget < 0:
@@ -233,8 +238,15 @@ def build_prompt(model, sample: Sample, max_tokens: int) -> Prompt:
         over = ids.shape[1] - max_tokens
         if over <= 0:
             n_images = len(texts) - 1
-            return Prompt(ids, sample.images[len(sample.images) - n_images:], truncated=True)
+            return Prompt(ids, sample.images[len(sample.images) - n_images:], True,
+                          _question_start(model, sample.instruction, texts, ids))
         budget -= over
+
+
+def _question_start(model, instruction: str, texts, ids: np.ndarray) -> int:
+    """Where the chat with and without the last text first differ in tokens (`harness.encode_asked_after`)."""
+    without = model.encode_chat(render(instruction, [*texts[:-1], ""]))[0]
+    return next((i for i, (a, b) in enumerate(zip(ids[0], without)) if a != b), len(without))
 
 
 # ---- running --------------------------------------------------------------------------------------
@@ -259,7 +271,7 @@ def evaluate(model, samples: list[Sample], method, config: dict, output: str) ->
 
     path = os.path.join(output, PREDICTIONS)
     done = {(r["dataset"], r["sample_id"]) for r in read_predictions(path)
-            if all(r[k] == config[k] for k in CONFIG_FIELDS)}
+            if record_config(r) == tuple(config[k] for k in CONFIG_FIELDS)}
     if jsonl.drop_cut_line(path):
         print(f"note: removed an incomplete last line from {path} (an interrupted run)")
     todo = [s for s in samples if (s.dataset, s.sample_id) not in done]
@@ -273,7 +285,9 @@ def evaluate(model, samples: list[Sample], method, config: dict, output: str) ->
             pixels = (model.preprocess_images([open_image(p).convert("RGB") for p in prompt.images])[0]
                       if prompt.images else None)
             start = time.perf_counter()
-            result = model.run(prompt.input_ids, pixels, max_new_tokens=config["max_new_tokens"], method=method)
+            result = (_ask_after(model, prompt, pixels, method, config["max_new_tokens"])
+                      if config["asked"] == ASKED[1] else
+                      model.run(prompt.input_ids, pixels, max_new_tokens=config["max_new_tokens"], method=method))
             prediction = model.decode_text(result.tokens[0][: int(result.lengths[0])]).strip()
             record = {
                 **config, "dataset": sample.dataset, "sample_id": sample.sample_id,
@@ -303,6 +317,31 @@ class Row:
     samples: int
 
 
+def _ask_after(model, prompt: Prompt, pixels, method, max_new_tokens: int):
+    """The prompt up to its question prefilled and compressed, the question prefilled onto it
+    (`Model.ask`) -> a `GenerationResult` (its prompt counts the whole prompt; the full cache's bytes:
+    the uncompressed context's slots + the question's and answer's)."""
+    from lookm_jax.model import GenerationResult
+
+    context = model.prefill_context(prompt.input_ids[:, :prompt.question_start], pixels, method=method)
+    answer = model.ask(context, prompt.input_ids[:, prompt.question_start:], max_new_tokens=max_new_tokens)
+    image, text = context.kept_by_modality()
+    slot_bytes = context.cache.nbytes // context.cache.capacity
+    new_slots = answer.cache_bytes // slot_bytes - context.prompt_slots
+    return GenerationResult(
+        tokens=answer.tokens, lengths=answer.lengths, prompt_lengths=np.asarray([prompt.input_ids.shape[1]]),
+        image_tokens=(prompt.input_ids == model.config.image_token_id).sum(1), kept_image_tokens=image,
+        kept_text_tokens=text, bucket=context.bucket, prompt_slots=context.prompt_slots, new_slots=new_slots,
+        cache_bytes=answer.cache_bytes, full_cache_bytes=slot_bytes * (context.bucket + new_slots),
+        compile_seconds=answer.compile_seconds, prefill_seconds=answer.prefill_seconds,
+        decode_seconds=answer.decode_seconds)
+
+
+def record_config(record: dict) -> tuple:
+    """A record's config (CONFIG_FIELDS); records written before "asked" existed asked in the prompt."""
+    return tuple(record.get(k, ASKED[0]) if k == "asked" else record[k] for k in CONFIG_FIELDS)
+
+
 def _mean(values) -> float:
     values = list(values)
     return sum(values) / len(values)
@@ -312,7 +351,7 @@ def summarize(records: list[dict]) -> list[Row]:
     """One row per config, in first-seen order."""
     scores: dict[tuple, dict[str, list[float]]] = {}
     for r in records:
-        scores.setdefault(tuple(r[k] for k in CONFIG_FIELDS), {}).setdefault(r["dataset"], []).append(r["score"])
+        scores.setdefault(record_config(r), {}).setdefault(r["dataset"], []).append(r["score"])
     rows = []
     for key, per_dataset in scores.items():
         datasets = {d: 100 * _mean(v) for d, v in per_dataset.items()}
@@ -382,7 +421,7 @@ def cmd_milebench(args) -> int:
                          f"length less --max-new-tokens), got {max_prompt}")
     config = {"model": os.path.abspath(args.model) if args.model else "default", "method": method_label(method),
               "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": max_prompt,
-              "adv": args.adv}
+              "adv": args.adv, "asked": ASKED[1] if args.ask_after_compression else ASKED[0]}
     rows = summarize(evaluate(model, samples, method, config, args.output))
     for by, name in (("datasets", DATASETS_CSV), ("groups", GROUPS_CSV)):
         header, lines = table(rows, by)
@@ -406,5 +445,8 @@ def add_parser(subparsers) -> None:
                    help="cut longer prompts from the left (default: the most that fits the largest bucket and the "
                         "context with --max-new-tokens)")
     p.add_argument("--limit", type=int, help="only the first N samples of each dataset")
+    p.add_argument("--ask-after-compression", action="store_true",
+                   help="compress the context without the question (the text after the last image), then prefill "
+                        "the question onto the compressed cache (`Model.ask`); default: the question in the prompt")
     p.add_argument("--output", type=path_arg, default="milebench_results", help="folder for predictions.jsonl and the CSV tables")
     p.set_defaults(func=cmd_milebench)

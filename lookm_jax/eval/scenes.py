@@ -65,15 +65,12 @@ def is_correct(answer: str, output: str) -> bool:
 
 def task_prompts(model, task: str, pictures: int, n: int, seed: int, asked: str = ASKED[0]) -> list[harness.Prompt]:
     """Samples 0 .. n-1 of `task` with `pictures` pictures each, from the bench split, the question
-    `asked` in the prompt or after compression (picture tasks only)."""
+    `asked` in the prompt or after compression (prefilled onto the compressed cache)."""
     if asked not in ASKED:
         raise ValueError(f"asked must be one of {ASKED}, got {asked!r}")
     size = model.config.pixel_shape[-1]
     out = []
     if task == "needle":
-        if asked != ASKED[0]:
-            raise ValueError("the needle task asks its question in the prompt; --ask-after-compression "
-                             f"applies to the picture tasks {scenes.PICTURE_KINDS}")
         samples = _needle_samples(model, pictures, n, seed)
         if samples is None:
             least = next((p for p in range(pictures + 1, len(scenes.NUMBERS)) if _needle_samples(model, p, 1, seed)),
@@ -85,8 +82,9 @@ def task_prompts(model, task: str, pictures: int, n: int, seed: int, asked: str 
             drawn = [scenes.random_scene(scenes.split_rng("bench", seed, _NEEDLE_STREAM + i * pictures + k), "bench")
                      for k in range(s.num_images)]
             pixels, _ = model.preprocess_images([scenes.render(d, size) for d in drawn])
-            out.append(harness.Prompt(_key(seed, pictures, task, asked, i), s.prompt, s.answer, pixels,
-                                      {"depth": s.depth}))
+            text, after = (s.prompt, "") if asked == ASKED[0] else (s.prompt.removesuffix(s.question), s.question)
+            out.append(harness.Prompt(_key(seed, pictures, task, asked, i), text, s.answer, pixels,
+                                      {"depth": s.depth}, after=after))
         return out
     for i in range(n):
         sample = scenes.multi_picture_sample("bench", seed, i, pictures, turns=1, kinds=(task,))
@@ -182,7 +180,7 @@ def ask(model, pictures: list | None, prompts: list[str], batch_size: int = 12, 
     answers = []
     for start in range(0, len(prompts), batch_size):
         chunk = range(start, min(start + batch_size, len(prompts)))
-        ids, mask = harness.encode_batch(model, [prompts[i] for i in chunk], leading_images=int(pictures is not None))
+        ids, mask = harness.encode_batch(model, [prompts[i] for i in chunk], num_images=int(pictures is not None))
         pixels = None
         if pictures is not None:
             size = model.config.pixel_shape[-1]
@@ -228,9 +226,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--output", type=path_arg, help="summary CSV in the `lookm plot sweep` format (default: docs/scenes_MODE.csv, "
                                     "docs/scenes_MODE_after.csv with --ask-after-compression)")
     p.add_argument("--ask-after-compression", action="store_true",
-                   help="picture tasks: prefill and compress the pictures, then feed the question through the "
-                        "compressed cache (default: the question is in the prompt, so the first answer token "
-                        "comes from the prefill, before compression)")
+                   help="prefill and compress the pictures (and the needle's haystack), then prefill the question "
+                        "onto the compressed cache (default: the question is in the prompt, so the first answer "
+                        "token comes from the prefill, before compression)")
     p.add_argument("--report-only", action="store_true",
                    help="summarise the rows already in the JSONL (e.g. of an interrupted run); run nothing")
     p.set_defaults(func=cmd_scenes)
@@ -250,9 +248,6 @@ def cmd_scenes(args) -> int:
     bad = [p for p in args.pictures if not 2 <= p < len(scenes.NUMBERS)]
     if bad:
         raise ValueError(f"--pictures must each be in [2, {len(scenes.NUMBERS) - 1}], got {bad}")
-    if asked == ASKED[1] and "needle" in args.tasks:
-        raise ValueError(f"--ask-after-compression applies to the picture tasks {scenes.PICTURE_KINDS}; drop needle "
-                         "from --tasks")
     configs = harness.sweep_configs(["full"] if args.mode == "calibrate" else (args.methods or METHODS),
                                     args.budgets or harness.DEFAULT_BUDGETS)
     print(f"scenes {args.mode}: {len(configs)} configs x tasks {' '.join(args.tasks)} x pictures {args.pictures} x "
