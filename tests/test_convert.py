@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 import lookm_jax
 from conftest import tiny_llava
 from lookm_jax import loading
-from lookm_jax.convert import store
+from lookm_jax.convert import safetensors_io, store
 from lookm_jax.convert.hf import CheckpointError
 from lookm_jax.convert.tables import canonical_name
 from lookm_jax.errors import InputError
@@ -213,7 +213,7 @@ def test_converted_folder_whose_config_disagrees_with_its_params_is_refused(chec
     manifest = json.loads((tmp_path / "c" / store.MANIFEST).read_text())
     edit(manifest["hf_config"])
     (tmp_path / "c" / store.MANIFEST).write_text(json.dumps(manifest))
-    monkeypatch.setattr(store, "load_file", lambda path: pytest.fail("the params were read before the check"))
+    monkeypatch.setattr(safetensors_io.FileTensor, "read", lambda self: pytest.fail("the params were read before the check"))
     folder = re.escape(str(tmp_path / "c"))
     with pytest.raises(CheckpointError, match=rf"^{folder}: parameter {message}.*convert the checkpoint again"):
         lookm_jax.load(str(tmp_path / "c"))
