@@ -13,6 +13,7 @@ from typing import Callable
 
 import numpy as np
 
+from lookm_jax.convert.tables import copy_into
 from lookm_jax.models.config import LlamaConfig
 
 Job = tuple[str, "int | None", Callable[[], np.ndarray]]  # (stored path, layer or None, take)
@@ -52,13 +53,12 @@ def text_params(cfg: LlamaConfig, jobs: list[Job], dtype, place: Callable[[str, 
         if key not in filling:
             filling[key] = [np.empty(shape, dtype), _PARTS.get(name, 1)]
         piece = take()
-        part(filling[key][0])[...] = layout(piece)  # cast to dtype while copied
+        copy_into(part(filling[key][0]), layout(piece))  # cast to dtype while copied
         del piece  # before `place`: the runtime tensor is all that is left of it
         filling[key][1] -= 1
         if filling[key][1] == 0:
-            array = filling.pop(key)[0]
             where = f"layers.{index}.{name}" if index is not None else name
-            (params if index is None else params["layers"][index])[name] = place(f"text.{where}", array)
+            (params if index is None else params["layers"][index])[name] = place(f"text.{where}", filling.pop(key)[0])
     if filling:
         raise ValueError(f"runtime tensors left incomplete: {sorted(filling)[:3]}")
     return {**params, "layers": tuple(params["layers"])}

@@ -24,7 +24,7 @@ DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dt
 CODES = {np.dtype(dtype): code for code, dtype in DTYPES.items()}
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the header's length
 _CHUNK = 1 << 30  # bytes per read/write call (Linux moves at most ~2 GiB per call)
-_BLOCK = 32 << 20  # bytes of a strided or cast tensor made contiguous at once when written
+_BLOCK = 4 << 20  # bytes of a strided or cast tensor made contiguous at once when written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +131,7 @@ class StreamWriter:
             data = memoryview(block.reshape(-1).view(np.uint8))
             for start in range(0, len(data), _CHUNK):
                 os.pwrite(self._file.fileno(), data[start:start + _CHUNK], target.offset + first * row_bytes + start)
+            del block, data  # before the next block is made
         self._written[name] += target.nbytes
 
     def close(self) -> None:

@@ -194,9 +194,9 @@ def converted_params(text_config, tensors: tables.Source, dtype, place) -> dict:
         array = np.empty(handle.shape, dtype)
         if ".layers." in name:
             for index in range(handle.shape[0]):
-                array[index] = handle.layer(index).read()
+                tables.copy_into(array[index], handle.layer(index).read())
         else:
-            array[...] = handle.read()
+            tables.copy_into(array, handle.read())
         tables.set_path(params, name, place(name, array))
         del array
     return params

@@ -167,7 +167,7 @@ def set_path(tree: dict, path: str, value) -> None:
 
 
 _EXPONENT_BITS = {np.dtype(np.float16): 0x7C00, np.dtype(ml_dtypes.bfloat16): 0x7F80}
-_FINITE_BLOCK = 1 << 22  # elements checked at once: the check's temporaries stay ~12 MiB, whatever the tensor
+_FINITE_BLOCK = 1 << 18  # elements checked at once: the check's temporaries stay < 1 MiB, whatever the tensor
 
 
 def all_finite(a: np.ndarray) -> bool:
@@ -184,6 +184,17 @@ def all_finite(a: np.ndarray) -> bool:
                 bits is not None and ((block.view(np.uint16) & bits) == bits).any()):
             return False
     return True
+
+
+def copy_into(target: np.ndarray, source: np.ndarray) -> None:
+    """target[...] = source (same shape, cast to target's dtype), a block of the leading axis at a
+    time: NumPy casts a whole contiguous array through a temporary as large as it."""
+    if target.ndim == 0:
+        target[...] = source
+        return
+    rows = max(1, (4 << 20) // max(target[:1].nbytes, 1))
+    for first in range(0, len(target), rows):
+        target[first:first + rows] = source[first:first + rows]
 
 
 class Source(Mapping):
@@ -281,7 +292,7 @@ def apply_table(tensors: dict[str, np.ndarray], table, prefix: str, num_layers: 
         piece = take()
         if ours not in rows:
             rows[ours] = np.empty(piece.shape if index is None else (num_layers, *piece.shape), dtype or piece.dtype)
-        rows[ours][... if index is None else index] = piece
+        copy_into(rows[ours] if index is None else rows[ours][index], piece)
         del piece  # before `place`: the row is all that is left of it
         if index is None or index == num_layers - 1:
             value = rows.pop(ours)
