@@ -163,7 +163,7 @@ def device_params(ckpt: Checkpoint, dtype, mesh: jax.sharding.Mesh | None = None
     """The checkpoint's params in the runtime layout, in `dtype`, on the device or the mesh: read,
     mapped, cast and placed one tensor at a time (the decoder's per layer), so the host never holds
     a second copy of the model."""
-    dtype, place = np.dtype(dtype), _placer(mesh)
+    dtype, place = jnp.dtype(dtype), _placer(mesh)
     if ckpt.converted:
         return store.converted_params(llava.text_config(ckpt.config), ckpt.tensors, dtype, place)
     return params_from_hf(ckpt.config, tables.Source(ckpt.tensors.handles, place), dtype,

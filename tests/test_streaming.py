@@ -107,3 +107,9 @@ def test_bench_core_measures_a_tiny_checkpoint(tmp_path):
     assert set(report["checks"]) == {"convert peak <= 1.3 x largest tensor + baseline",
                                      "converted folder within 5% of the checkpoint"}
     assert report["checks"]["converted folder within 5% of the checkpoint"]
+
+
+def test_load_refuses_a_mesh_that_is_not_one(checkpoint):
+    with pytest.raises(lookm_jax.InputError, match=r"^mesh must be a jax.sharding.Mesh \(lookm_jax.make_mesh\) or None, "
+                                                    r"got str$"):
+        lookm_jax.load(checkpoint, mesh="2x2")
