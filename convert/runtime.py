@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from lookm_jax.convert.tables import copy_into
+from lookm_jax.convert.tables import aligned_empty, copy_into
 from lookm_jax.models.config import LlamaConfig
 
 Job = tuple[str, "int | None", Callable[[], np.ndarray]]  # (stored path, layer or None, take)
@@ -51,7 +51,7 @@ def text_params(cfg: LlamaConfig, jobs: list[Job], dtype, place: Callable[[str, 
         name, shape, part, layout = targets[path.rsplit(".", 1)[-1]]
         key = (index, name)
         if key not in filling:
-            filling[key] = [np.empty(shape, dtype), _PARTS.get(name, 1)]
+            filling[key] = [aligned_empty(shape, dtype), _PARTS.get(name, 1)]
         piece = take()
         copy_into(part(filling[key][0]), layout(piece))  # cast to dtype while copied
         del piece  # before `place`: the runtime tensor is all that is left of it

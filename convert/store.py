@@ -191,7 +191,7 @@ def converted_params(text_config, tensors: tables.Source, dtype, place) -> dict:
     for name, handle in handles.items():
         if name.startswith("text."):
             continue
-        array = np.empty(handle.shape, dtype)
+        array = tables.aligned_empty(handle.shape, dtype)
         if ".layers." in name:
             for index in range(handle.shape[0]):
                 tables.copy_into(array[index], handle.layer(index).read())

@@ -186,6 +186,16 @@ def all_finite(a: np.ndarray) -> bool:
     return True
 
 
+def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """np.empty whose data starts on a 64-byte boundary: XLA:CPU then adopts the buffer as a device
+    array without copying it (`jax.device_put`), so a parameter built on the host is not copied
+    again (NumPy's own large arrays start 16 bytes past a page)."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
 def copy_into(target: np.ndarray, source: np.ndarray) -> None:
     """target[...] = source (same shape, cast to target's dtype), a block of the leading axis at a
     time: NumPy casts a whole contiguous array through a temporary as large as it."""
@@ -291,7 +301,7 @@ def apply_table(tensors: dict[str, np.ndarray], table, prefix: str, num_layers: 
     for ours, index, take in table_jobs(tensors, table, prefix, num_layers, shapes, skip):
         piece = take()
         if ours not in rows:
-            rows[ours] = np.empty(piece.shape if index is None else (num_layers, *piece.shape), dtype or piece.dtype)
+            rows[ours] = aligned_empty(piece.shape if index is None else (num_layers, *piece.shape), dtype or piece.dtype)
         copy_into(rows[ours] if index is None else rows[ours][index], piece)
         del piece  # before `place`: the row is all that is left of it
         if index is None or index == num_layers - 1:

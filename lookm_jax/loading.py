@@ -151,10 +151,11 @@ def read_checkpoint(path: str) -> Checkpoint:
 def _placer(mesh: jax.sharding.Mesh | None):
     """place(path, host array) -> the array on the default device, or split over `mesh` by
     `sharding.spec_of` (each device receives only its own slice), transferred before it returns so
-    that the host array can be freed at once."""
+    that the host array can be freed at once. The host array is handed over: on CPU an aligned one
+    (`tables.aligned_empty`) becomes the device array itself, uncopied."""
     def place(path: str, array: np.ndarray) -> jax.Array:
         target = None if mesh is None else NamedSharding(mesh, sharding.spec_of(path, array.shape, mesh))
-        return jax.device_put(array, target).block_until_ready()
+        return jax.device_put(array, target, may_alias=True).block_until_ready()
 
     return place
 
