@@ -1,8 +1,8 @@
 """Safetensors files read and written one tensor (or one layer of a stacked tensor) at a time.
 
-Reads go through plain positioned reads into a fresh array, not a memory map: pages of a map that
-has been read stay in the process's resident set until it is unmapped, so reading a whole
-checkpoint through one would count the file once more in RSS. The format: 8 bytes (little-endian
+Each tensor is read through a map of its own bytes, dropped with the array: pages of a map that
+has been read stay in the process's resident set until it is unmapped, so one map of a whole
+checkpoint would count the file once more in RSS, and reading into a fresh array would copy it. The format: 8 bytes (little-endian
 u64) giving the header's length N, N bytes of JSON {name: {"dtype", "shape", "data_offsets": [a, b]}}
 (offsets into the data that follows), then the data; the header may be padded with spaces.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import mmap
 import os
 
 import ml_dtypes
@@ -46,17 +47,15 @@ class FileTensor:
         return dataclasses.replace(sub, offset=self.offset + index * sub.nbytes)
 
     def read(self) -> np.ndarray:
-        """A new, writeable array of the tensor's bytes."""
-        out = np.empty(self.shape, self.dtype)
-        buffer = memoryview(out.reshape(-1).view(np.uint8))
-        with open(self.path, "rb", buffering=0) as f:
-            done = 0
-            while done < len(buffer):
-                got = os.preadv(f.fileno(), [buffer[done:done + _CHUNK]], self.offset + done)
-                if got == 0:
-                    raise CheckpointError(f"{self.path}: corrupt safetensors file (ends inside a tensor)")
-                done += got
-        return out
+        """The tensor, read-only, over a map of its own bytes in the file: no copy is made, and the
+        map (its pages in this process's RSS) goes when the array is dropped."""
+        if self.nbytes == 0:
+            return np.empty(self.shape, self.dtype)
+        start = self.offset - self.offset % mmap.ALLOCATIONGRANULARITY
+        with open(self.path, "rb") as f:  # the map outlives the file object
+            view = mmap.mmap(f.fileno(), self.offset + self.nbytes - start, offset=start,
+                             flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        return np.frombuffer(view, self.dtype, math.prod(self.shape), self.offset - start).reshape(self.shape)
 
 
 def _corrupt(path: str, why: str) -> CheckpointError:
