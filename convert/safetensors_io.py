@@ -62,33 +62,43 @@ def _corrupt(path: str, why: str) -> CheckpointError:
     return CheckpointError(f"{path}: corrupt or unreadable safetensors shard ({why})")
 
 
-def read_header(path: str) -> dict[str, FileTensor]:
-    """The tensors of a safetensors file by name, checked against the file's size; nothing else is read."""
+def _header(path: str) -> tuple[int, int, object]:
+    """-> (file size, header length, the header's JSON)."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             length = int.from_bytes(f.read(8), "little")
-            if size < 8 or length > min(size - 8, _MAX_HEADER):
-                raise _corrupt(path, f"header of {length} bytes in a file of {size}")
-            header = json.loads(f.read(length))
+            fits = size >= 8 and length <= min(size - 8, _MAX_HEADER)
+            header = json.loads(f.read(length)) if fits else None
     except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        if isinstance(err, CheckpointError):
-            raise
         raise _corrupt(path, str(err)) from None
+    if not fits:
+        raise _corrupt(path, f"header of {length} bytes in a file of {size}")
+    return size, length, header
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def read_header(path: str) -> dict[str, FileTensor]:
+    """The tensors of a safetensors file by name, checked against the file's size; nothing else is read."""
+    size, length, header = _header(path)
     if not isinstance(header, dict):
         raise _corrupt(path, "the header is not a JSON object")
     tensors = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, shape, (start, end) = np.dtype(DTYPES[entry["dtype"]]), tuple(entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise _corrupt(path, f"tensor {name}: entry {entry!r:.100} is not a supported dtype (one of "
-                                 f"{', '.join(DTYPES)}), shape and data_offsets") from None
-        tensor = FileTensor(path, 8 + length + start, dtype, shape)
-        if end - start != tensor.nbytes or tensor.offset + tensor.nbytes > size:
-            raise _corrupt(path, f"tensor {name}'s bytes [{start}, {end}) do not fit its shape {shape} or the file")
+        fields = entry if isinstance(entry, dict) else {}
+        shape, offsets = fields.get("shape"), fields.get("data_offsets")
+        if (fields.get("dtype") not in DTYPES or not isinstance(shape, list) or not all(map(_is_count, shape))
+                or not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_count, offsets))):
+            raise _corrupt(path, f"tensor {name}: entry {entry!r:.100} is not a dtype (one of {', '.join(DTYPES)}), "
+                                 "a shape and data_offsets")
+        tensor = FileTensor(path, 8 + length + offsets[0], np.dtype(DTYPES[fields["dtype"]]), tuple(shape))
+        if offsets[1] - offsets[0] != tensor.nbytes or tensor.offset + tensor.nbytes > size:
+            raise _corrupt(path, f"tensor {name}'s bytes {offsets} do not fit its shape {tuple(shape)} or the file")
         tensors[name] = tensor
     return tensors
 
