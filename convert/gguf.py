@@ -9,13 +9,14 @@ import dataclasses
 import importlib.util
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-from tqdm.auto import tqdm
+
+from lookm_jax.convert.tables import Source
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -84,7 +85,7 @@ class GGUFCheckpoint:
     """A GGUF llama checkpoint in Hugging Face terms."""
 
     config: dict  # HF transformers 5.x LlamaConfig config.json
-    tensors: dict[str, np.ndarray]  # HF parameter name -> float32, torch layout [out, in]
+    tensors: Source  # HF parameter name -> float32, torch layout [out, in], dequantised when read
     tokenizer: Tokenizer
     chat_template: str | None
     bos_token_id: int | None
@@ -109,7 +110,7 @@ def smollm2_gguf_path() -> str:
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
-    """Read a llama-architecture GGUF file: config, dequantised float32 tensors, tokenizer."""
+    """Read a llama-architecture GGUF file: config, float32 tensors (dequantised when read), tokenizer."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -265,42 +266,47 @@ def _dequantize(t) -> np.ndarray:
     return dequantize(t.data, t.tensor_type)
 
 
-def _tensors(reader: GGUFReader, config: dict, path: str) -> dict[str, np.ndarray]:
+@dataclasses.dataclass(frozen=True)
+class _GGUFTensor:
+    """One tensor of a GGUF file, dequantised to float32 [out, in] (HF's layout) when read."""
+
+    tensor: Any  # gguf ReaderTensor
+    shape: tuple[int, ...]  # HF's
+    heads: int | None  # q/k rows to un-permute per head group, else None
+    path: str
+    dtype = np.dtype(np.float32)
+
+    def read(self) -> np.ndarray:
+        t = self.tensor
+        try:
+            w = _dequantize(t)  # [out, in]: gguf reverses ggml's ne order
+        except NotImplementedError as e:
+            raise ValueError(f"{self.path}: tensor {t.name!r} has unsupported type {t.tensor_type.name}") from e
+        w = np.asarray(w, dtype=np.float32)
+        if w.shape != self.shape:
+            raise ValueError(f"{self.path}: tensor {t.name!r} has shape {w.shape}, expected {self.shape}")
+        if self.heads:
+            return _unpermute_rows(w, self.heads)
+        return w.copy() if not w.flags.writeable else w  # F32 tensors come back as views of the read-only file map
+
+
+def _tensors(reader: GGUFReader, config: dict, path: str) -> Source:
+    """HF name -> the file's tensor, dequantised one at a time when taken."""
     shapes = _expected_shapes(config)
-    jobs = []
-    for t in reader.tensors:
-        name = _hf_name(t.name)
-        if name not in shapes:
-            raise ValueError(f"{path}: unexpected tensor {t.name!r} for a llama checkpoint")
-        jobs.append((name, t))
-    missing = sorted(set(shapes) - {n for n, _ in jobs} - {"lm_head.weight"})
-    if missing:
-        raise ValueError(f"{path}: missing tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}")
     heads = {  # q/k rows to un-permute, per head group
         "self_attn.q_proj.weight": config["num_attention_heads"],
         "self_attn.k_proj.weight": config["num_key_value_heads"],
     }
-
-    def load(job):
-        name, t = job
-        try:
-            w = _dequantize(t)  # [out, in]: gguf reverses ggml's ne order
-        except NotImplementedError as e:
-            raise ValueError(f"{path}: tensor {t.name!r} has unsupported type {t.tensor_type.name}") from e
-        w = np.asarray(w, dtype=np.float32)
-        if w.shape != shapes[name]:
-            raise ValueError(f"{path}: tensor {t.name!r} has shape {w.shape}, expected {shapes[name]} for {name}")
-        n_heads = heads.get(name.split(".", 3)[-1])  # "self_attn.q_proj.weight" for layer tensors
-        if n_heads:
-            w = _unpermute_rows(w, n_heads)
-        elif not w.flags.writeable:
-            w = w.copy()  # F32 tensors come back as views of the read-only file map
-        return name, w
-
-    # numpy releases the GIL in the dequantise arithmetic, so threads overlap usefully.
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        results = pool.map(load, jobs)
-        return dict(tqdm(results, total=len(jobs), desc=f"Dequantising {os.path.basename(path)}", unit="tensor"))
+    handles = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name not in shapes:
+            raise ValueError(f"{path}: unexpected tensor {t.name!r} for a llama checkpoint")
+        handles[name] = _GGUFTensor(t, shapes[name], heads.get(name.split(".", 3)[-1]), path)
+    missing = sorted(set(shapes) - set(handles) - {"lm_head.weight"})
+    if missing:
+        raise ValueError(f"{path}: missing tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+    return Source(handles)
 
 
 def _tokenizer(meta: dict, vocab_size: int, path: str) -> Tokenizer:

@@ -6,10 +6,9 @@ import os
 from typing import Any, Callable
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from lookm_jax.convert import original_llava, tables
+from lookm_jax.convert import original_llava, safetensors_io, tables
 from lookm_jax.convert.internvl import internvl_vision_params
 from lookm_jax.convert.tables import CheckpointError, apply_table, read_json_object
 from lookm_jax.models.config import LlamaConfig, LlavaConfig
@@ -54,24 +53,20 @@ def _shard_files(folder: str) -> list[str]:
     return files
 
 
-def read_safetensors(folder: str) -> dict[str, np.ndarray]:
-    """All tensors of a checkpoint folder, keyed by canonical HF name (see `tables.canonical_name`)."""
-    tensors: dict[str, np.ndarray] = {}
+def read_safetensors(folder: str) -> tables.Source:
+    """All tensors of a checkpoint folder, keyed by canonical HF name (see `tables.canonical_name`),
+    each read when it is taken (only the shards' headers are read here)."""
+    handles = {}
     for name in _shard_files(folder):
-        path = os.path.join(folder, name)
-        try:
-            with safe_open(path, framework="numpy") as f:
-                for key in tqdm(list(f.keys()), desc=f"reading {name}", unit="tensor", leave=False):
-                    tensors[tables.canonical_name(key)] = f.get_tensor(key)
-        except (SafetensorError, OSError, ValueError) as err:
-            raise CheckpointError(f"{path}: corrupt or unreadable safetensors shard ({err})") from err
-    return tensors
+        for key, tensor in safetensors_io.read_header(os.path.join(folder, name)).items():
+            handles[tables.canonical_name(key)] = tensor
+    return tables.Source(handles)
 
 
 def llava_vision_params(config: LlavaConfig, tensors: dict[str, np.ndarray], dtype) -> dict:
     """Pop the CLIP tower and projector of a LLaVA checkpoint -> {"vision": ..., "projector": ...}."""
     for name in tables.CLIP_UNUSED:
-        tensors.pop("vision." + name, None)
+        tables.drop(tensors, "vision." + name)
     return {
         "vision": apply_table(tensors, tables.CLIP_TABLE, "vision.", config.vision.num_layers,
                               tables.clip_shapes(config.vision), dtype),
@@ -89,22 +84,27 @@ VISION_PARAMS: dict[type, Callable[[Any, dict[str, np.ndarray], Any], dict]] = {
 }
 
 
-def params_from_hf(config: ModelConfig, tensors: dict[str, np.ndarray], dtype=np.float32) -> dict:
+def params_from_hf(config: ModelConfig, tensors: dict[str, np.ndarray], dtype=np.float32,
+                   text: Callable[[LlamaConfig, list], dict] | None = None) -> dict:
     """Canonically named HF tensors -> {"text": ..., [vision parts: "vision", "projector", ...]}.
 
-    Consumes `tensors`; any tensor no table row explains is an error (it would be silently unused).
+    Consumes `tensors` (a dict, or a `tables.Source` read one tensor at a time); any tensor no table
+    row explains is an error (it would be silently unused). `dtype`: of every parameter (None: each
+    keeps its checkpoint's). `text(text_config, jobs)` builds the decoder's part from its tensors'
+    `tables.table_jobs`, each layer's together (default: the stored layout, stacked by `apply_table`).
     Given `tables.ShapesOnly()`, reads nothing and returns the shapes the config implies in place of arrays.
     """
     multimodal = not isinstance(config, LlamaConfig)
     text_cfg = config.text if multimodal else config
     tied = text_cfg.tie_word_embeddings
     if tied:
-        tensors.pop("lm_head.weight", None)  # some tied checkpoints still store the head
+        tables.drop(tensors, "lm_head.weight")  # some tied checkpoints still store the head
     with tqdm(total=1 + multimodal, desc="converting", unit="part", leave=False,
               disable=isinstance(tensors, tables.ShapesOnly)) as bar:
-        params = {"text": apply_table(tensors, tables.LLAMA_TABLE, "", text_cfg.num_layers, tables.llama_shapes(text_cfg),
-                                      dtype, skip=(("lm_head",) if tied else ())
-                                      + (() if text_cfg.qkv_bias else tables.LLAMA_QKV_BIAS))}
+        rows = (tensors, tables.LLAMA_TABLE, "", text_cfg.num_layers, tables.llama_shapes(text_cfg))
+        skip = (("lm_head",) if tied else ()) + (() if text_cfg.qkv_bias else tables.LLAMA_QKV_BIAS)
+        params = {"text": apply_table(*rows, dtype, skip=skip) if text is None or isinstance(tensors, tables.ShapesOnly)
+                  else text(text_cfg, tables.table_jobs(*rows, skip=skip, layer_major=True))}
         bar.update()
         if multimodal:
             params.update(VISION_PARAMS[type(config)](config, tensors, dtype))
@@ -114,17 +114,18 @@ def params_from_hf(config: ModelConfig, tensors: dict[str, np.ndarray], dtype=np
     return params
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
+def flat_paths(tree: dict, prefix: str = "") -> dict:
+    """Nested dict -> {"a.b.c": leaf}."""
     flat = {}
     for key, value in tree.items():
-        flat.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+        flat.update(flat_paths(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
     return flat
 
 
 def check_shapes(config: ModelConfig, found: dict[str, tuple[int, ...]], where: str) -> None:
     """Refuse (CheckpointError) params ({"text.embed": shape, ...}) other than those `config` implies
     (`params_from_hf`'s dry run), naming the first that differs, its shape and the expected one."""
-    expected = _flat(params_from_hf(config, tables.ShapesOnly()))
+    expected = flat_paths(params_from_hf(config, tables.ShapesOnly()))
     for name in [*expected, *sorted(set(found) - set(expected))]:
         accepted = tables.accepted_shapes(expected[name]) if name in expected else []
         if found.get(name) not in accepted:
@@ -133,12 +134,12 @@ def check_shapes(config: ModelConfig, found: dict[str, tuple[int, ...]], where: 
                                   "convert the checkpoint again")
 
 
-def load_hf_folder(folder: str, dtype=np.float32) -> tuple[dict[str, Any], ModelConfig, dict]:
-    """HF checkpoint folder -> (raw HF config dict, our config, numpy params)."""
+def open_hf_folder(folder: str) -> tuple[dict[str, Any], ModelConfig, tables.Source]:
+    """HF checkpoint folder -> (raw HF config dict, our config, its tensors, read when taken)."""
     config_path = os.path.join(folder, "config.json")
     if not os.path.exists(config_path):
         raise CheckpointError(f"{folder}: no config.json")
     hf_config = read_json_object(config_path)
     hf_config = original_llava.with_local_tower_config(hf_config, folder)
     config = parse_config(hf_config)
-    return hf_config, config, params_from_hf(config, read_safetensors(folder), dtype)
+    return hf_config, config, read_safetensors(folder)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lookm_jax.convert.tables import Transform, _conv_to_matrix, _t, apply_table
+from lookm_jax.convert.tables import Transform, _conv_to_matrix, _t, apply_table, drop
 from lookm_jax.models.internvl import InternVLConfig
 
 
@@ -80,7 +80,7 @@ def _absent(cfg: InternVLConfig) -> tuple[str, ...]:
 def internvl_vision_params(config: InternVLConfig, tensors: dict[str, np.ndarray], dtype) -> dict:
     """Pop the InternViT tower and the projector -> {"vision": ..., "projector": ...}."""
     for name in VISION_UNUSED:
-        tensors.pop("vision." + name, None)
+        drop(tensors, "vision." + name)
     return {
         "vision": apply_table(tensors, VISION_TABLE, "vision.", config.vision.num_layers, vision_shapes(config),
                               dtype, skip=_absent(config)),

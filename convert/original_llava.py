@@ -234,7 +234,7 @@ def internvit_llava_params(config: InternViTLlavaConfig, tensors: dict[str, np.n
 def mobilevlm_params(config: MobileVLMConfig, tensors: dict[str, np.ndarray], dtype) -> dict:
     """Pop the CLIP tower and LDPv2 projector -> {"vision": ..., "projector": ...}."""
     for name in tables.CLIP_UNUSED:
-        tensors.pop("vision." + name, None)
+        tables.drop(tensors, "vision." + name)
     h = config.text.hidden_size
     shapes = {**_mlp_shapes(config.vision.hidden_size, h), "peg_w": (3, 3, h), "peg_b": (h,)}
     return {

@@ -1,8 +1,11 @@
 """Save / reload converted models: one safetensors file of flattened params + a JSON manifest.
 
 Safetensors rather than orbax: converted params are one small, flat, read-only pytree; safetensors
-is a single memory-mappable file with no extra dependency, readable by any tool, and loads in well
-under a second. Orbax's async, sharded checkpointing solves a training problem we do not have.
+is a single file with no extra dependency, readable by any tool, that can be read and written one
+tensor (or one layer of a stacked tensor) at a time (convert/safetensors_io.py): converting and
+loading hold one tensor on the host, not the model. Each tensor keeps its checkpoint's dtype (fp16
+and bf16 stay 16-bit) unless a dtype is asked for. Orbax's async, sharded checkpointing solves a
+training problem we do not have.
 
 Writes are atomic: everything goes to a hidden temporary folder beside the target, which is renamed
 into place only once complete, so an interrupted save never leaves a half-written model. The folder
@@ -19,12 +22,10 @@ import tempfile
 from typing import Any
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
-from safetensors.numpy import load_file, save_file
-
 from lookm_jax.checks import can_create_in, nearest_existing
-from lookm_jax.convert.hf import check_shapes, parse_config
-from lookm_jax.convert.tables import read_json_object
+from lookm_jax.convert import runtime, safetensors_io, tables
+from lookm_jax.convert.hf import ModelConfig, check_shapes, flat_paths, params_from_hf, parse_config
+from lookm_jax.convert.tables import CheckpointError, read_json_object
 from lookm_jax.errors import InputError
 
 FORMAT = "lookm-jax-converted"
@@ -34,25 +35,15 @@ PARAMS = "params.safetensors"
 TOKENIZER = "tokenizer.json"
 
 
-def flatten(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
+def flatten(tree: dict) -> dict[str, np.ndarray]:
     """Nested dict -> {"a.b.c": C-contiguous array} (safetensors writes raw buffers, ignoring strides)."""
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[prefix + key] = np.ascontiguousarray(value)
-    return flat
+    return {name: np.ascontiguousarray(value) for name, value in flat_paths(tree).items()}
 
 
 def unflatten(flat: dict[str, Any]) -> dict:
     tree: dict = {}
     for path, value in flat.items():
-        *parents, leaf = path.split(".")
-        node = tree
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
+        tables.set_path(tree, path, value)
     return tree
 
 
@@ -84,19 +75,69 @@ def _umask() -> int:
     return mask
 
 
+def save_file(flat: dict[str, np.ndarray], path: str) -> None:
+    """Flat params (`flatten`) -> a safetensors file, one tensor at a time (no second copy of them)."""
+    writer = safetensors_io.StreamWriter(path, list(flat))
+    try:
+        for name, value in flat.items():
+            writer.add(name, value.dtype, value.shape)
+            writer.write(name, value)
+        writer.close()
+    finally:
+        writer.abort()
+
+
 def save_converted(path: str, params: dict, manifest: dict[str, Any], tokenizer_json: str | None = None) -> None:
     """Atomically write params + manifest (+ tokenizer) to the folder `path`, replacing it if present.
 
     Only a converted folder or an empty one is replaced: any other existing path (a file, a folder
     with other contents, the working directory given as "" or ".") is refused untouched.
     """
+    _write_folder(path, lambda file: save_file(flatten(params), file), manifest, tokenizer_json)
+
+
+def convert_checkpoint(path: str, config: ModelConfig, tensors: tables.Source, manifest: dict[str, Any],
+                       tokenizer_json: str | None, dtype=None) -> None:
+    """A checkpoint's tensors -> the converted folder `path` (atomic, as `save_converted`), read,
+    mapped and written one tensor at a time (a decoder weight one layer at a time), each in its
+    checkpoint's dtype, or in `dtype` when given."""
+    names = list(flat_paths(params_from_hf(config, tables.ShapesOnly())))  # the header's room is reserved for them
+
+    def write(file: str) -> None:
+        writer = safetensors_io.StreamWriter(file, names)
+
+        def place(name: str, value: np.ndarray) -> None:
+            writer.add(name, value.dtype, value.shape)
+            writer.write(name, value)
+
+        def text(cfg, jobs: list[runtime.Job]) -> dict:
+            for name, index, take in jobs:
+                piece = take()
+                if index is None or index == 0:
+                    writer.add(f"text.{name}", dtype or piece.dtype, piece.shape if index is None
+                               else (cfg.num_layers, *piece.shape))
+                writer.write(f"text.{name}", piece, index)
+            return {}
+
+        try:
+            params_from_hf(config, tables.Source(tensors.handles, place), dtype, text=text)
+            writer.close()
+        finally:
+            writer.abort()
+
+    _write_folder(path, write, manifest, tokenizer_json)
+
+
+def _write_folder(path: str, write_params, manifest: dict[str, Any], tokenizer_json: str | None) -> None:
+    """The converted folder `path` written atomically: `write_params(file)` writes the params file
+    into a hidden temporary folder beside it, renamed into place once everything is written."""
     check_replaceable(path)
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(path)}.tmp-")
     try:
-        save_file(flatten(params), os.path.join(tmp, PARAMS))
+        write_params(os.path.join(tmp, PARAMS))
         if tokenizer_json is not None:
             with open(os.path.join(tmp, TOKENIZER), "w") as f:
                 f.write(tokenizer_json)
@@ -118,9 +159,10 @@ def save_converted(path: str, params: dict, manifest: dict[str, Any], tokenizer_
         raise
 
 
-def load_converted(path: str) -> tuple[dict[str, Any], dict, str | None]:
-    """-> (manifest, numpy params tree, tokenizer json or None); params whose names or shapes (in the
-    file's header) are not those its config implies are refused before they are read."""
+def load_converted(path: str) -> tuple[dict[str, Any], ModelConfig, tables.Source, str | None]:
+    """-> (manifest, config, params by flat path ("text.layers.wq"), each read when taken, tokenizer
+    json or None); params whose names or shapes (in the file's header) are not those its config
+    implies are refused here, before one is read."""
     manifest = read_json_object(os.path.join(path, MANIFEST))
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise ValueError(f"{path}: not a {FORMAT} v{VERSION} folder (found {manifest.get('format')!r} "
@@ -129,12 +171,32 @@ def load_converted(path: str) -> tuple[dict[str, Any], dict, str | None]:
         raise ValueError(f"{path}: {MANIFEST} has no hf_config object; convert the checkpoint again")
     config = parse_config(manifest["hf_config"])
     try:
-        with safe_open(os.path.join(path, PARAMS), framework="numpy") as f:
-            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-        check_shapes(config, shapes, path)
-        params = unflatten(load_file(os.path.join(path, PARAMS)))
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"{path}: corrupt or missing {PARAMS} ({err}); convert the checkpoint again") from err
+        handles = safetensors_io.read_header(os.path.join(path, PARAMS))
+    except (CheckpointError, OSError) as err:
+        raise ValueError(f"{path}: corrupt or missing {PARAMS} ({err}); convert the checkpoint again") from None
+    check_shapes(config, {name: h.shape for name, h in handles.items()}, path)
     tokenizer_path = os.path.join(path, TOKENIZER)
     tokenizer_json = open(tokenizer_path).read() if os.path.exists(tokenizer_path) else None
-    return manifest, params, tokenizer_json
+    return manifest, config, tables.Source(handles), tokenizer_json
+
+
+def converted_params(text_config, tensors: tables.Source, dtype, place) -> dict:
+    """A converted folder's params (`load_converted`) -> the runtime layout in `dtype`, each tensor
+    replaced by what `place(path, array)` returns as soon as it is built: the decoder's through
+    `runtime.text_params`, the rest as stored (a stacked one filled layer by layer)."""
+    handles = tensors.handles
+    text = {name.removeprefix("text."): h for name, h in handles.items() if name.startswith("text.")}
+    params = {"text": runtime.text_params(text_config, runtime.stored_jobs(text, text_config.num_layers), dtype,
+                                          place)}
+    for name, handle in handles.items():
+        if name.startswith("text."):
+            continue
+        array = tables.aligned_empty(handle.shape, dtype)
+        if ".layers." in name:
+            for index in range(handle.shape[0]):
+                tables.copy_into(array[index], handle.layer(index).read())
+        else:
+            tables.copy_into(array, handle.read())
+        tables.set_path(params, name, place(name, array))
+        del array
+    return params

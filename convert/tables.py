@@ -7,8 +7,10 @@ are stacked on a leading layer axis under our path. Transforms turn torch layout
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+from collections.abc import Mapping
 from typing import Callable
 
 import ml_dtypes
@@ -156,7 +158,8 @@ def projector_shapes(cfg: LlavaConfig) -> dict[str, tuple[int, ...]]:
     return {"w1": (h_in, h), "b1": (h,), "w2": (h, h), "b2": (h,)}
 
 
-def _set(tree: dict, path: str, value) -> None:
+def set_path(tree: dict, path: str, value) -> None:
+    """tree["a"]["b"]["c"] = value for path "a.b.c", making the missing dicts."""
     *parents, leaf = path.split(".")
     for key in parents:
         tree = tree.setdefault(key, {})
@@ -164,41 +167,144 @@ def _set(tree: dict, path: str, value) -> None:
 
 
 _EXPONENT_BITS = {np.dtype(np.float16): 0x7C00, np.dtype(ml_dtypes.bfloat16): 0x7F80}
+_FINITE_BLOCK = 1 << 18  # elements checked at once: the check's temporaries stay < 1 MiB, whatever the tensor
 
 
 def all_finite(a: np.ndarray) -> bool:
-    """No NaN or inf in `a`. A 16-bit float is read as its bits (all exponent bits set: NaN or inf),
-    ~10x faster than NumPy's isfinite on float16 and bfloat16, which convert every element."""
+    """No NaN or inf in `a`, checked block by block. A 16-bit float is read as its bits (all exponent
+    bits set: NaN or inf), ~10x faster than NumPy's isfinite on float16 and bfloat16, which convert
+    every element."""
+    if a.dtype.kind not in "fc":
+        return True
+    flat = a.reshape(-1)
     bits = _EXPONENT_BITS.get(a.dtype)
-    if bits is None:
-        return bool(np.isfinite(a).all()) if a.dtype.kind in "fc" else True
-    return not ((a.view(np.uint16) & bits) == bits).any()
+    for start in range(0, flat.size, _FINITE_BLOCK):
+        block = flat[start:start + _FINITE_BLOCK]
+        if (bits is None and not np.isfinite(block).all()) or (
+                bits is not None and ((block.view(np.uint16) & bits) == bits).any()):
+            return False
+    return True
+
+
+def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """np.empty whose data starts on a 64-byte boundary: XLA:CPU then adopts the buffer as a device
+    array without copying it (`jax.device_put`), so a parameter built on the host is not copied
+    again (NumPy's own large arrays start 16 bytes past a page)."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def copy_into(target: np.ndarray, source: np.ndarray) -> None:
+    """target[...] = source (same shape, cast to target's dtype), a block of the leading axis at a
+    time: NumPy casts a whole contiguous array through a temporary as large as it."""
+    if target.ndim == 0:
+        target[...] = source
+        return
+    rows = max(1, (4 << 20) // max(target[:1].nbytes, 1))
+    for first in range(0, len(target), rows):
+        target[first:first + rows] = source[first:first + rows]
+
+
+class Source(Mapping):
+    """Checkpoint tensors by canonical name, each read from its file when it is taken (`pop` or
+    `[]`), so that a converter holds one tensor at a time. A handle has `shape`, `dtype` and
+    `read() -> np.ndarray`. `apply_table` hands each parameter it finishes to `place(path, array)`
+    (e.g. onto a device, or into a file) and keeps what that returns."""
+
+    def __init__(self, handles: dict, place: Callable[[str, np.ndarray], object] | None = None):
+        self.handles = dict(handles)
+        self._place = place
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.handles[name].read()
+
+    def __contains__(self, name) -> bool:
+        return name in self.handles
+
+    def __iter__(self):
+        return iter(self.handles)
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def __delitem__(self, name: str) -> None:
+        del self.handles[name]
+
+    def pop(self, name: str) -> np.ndarray:
+        return self.handles.pop(name).read()
+
+    def place(self, path: str, value: np.ndarray):
+        return value if self._place is None else self._place(path, value)
+
+
+def drop(tensors, name: str) -> None:
+    """Remove a tensor that is deliberately unused, without reading it."""
+    if name in tensors:
+        del tensors[name]
+
+
+def _row_names(prefix: str, hf_name: str, num_layers: int) -> list[str]:
+    return [prefix + hf_name.format(i=i) for i in range(num_layers)] if "{i}" in hf_name else [prefix + hf_name]
+
+
+def _take(tensors, name: str, transform) -> np.ndarray:
+    raw = tensors.pop(name)
+    if not all_finite(raw):
+        raise CheckpointError(f"checkpoint tensor {name} holds NaN or inf")
+    return transform(raw)
+
+
+def table_jobs(tensors, table, prefix: str, num_layers: int, shapes: dict, skip: tuple[str, ...] = (),
+               layer_major: bool = False) -> list[tuple[str, int | None, Callable[[], np.ndarray]]]:
+    """Every row's tensors as (our path, layer index or None, take), where `take()` pops the tensor
+    out of `tensors` and returns it in our layout [*shape], checked finite and against the row's
+    shape (a stacked row's without its leading layer axis); the caller holds the only reference,
+    so it is freed as soon as the caller drops it. Rows in table order, each row's layers in
+    turn; `layer_major`: the rows without layers, then every layer's rows together, layer after
+    layer. A tensor missing from any row is refused here, before one is read."""
+    rows = [(ours, _row_names(prefix, hf_name, num_layers), "{i}" in hf_name, transform or (lambda a: a))
+            for ours, hf_name, transform in table if ours not in skip]
+    missing = [n for _, names, _, _ in rows for n in names if n not in tensors]
+    if missing:
+        raise CheckpointError(f"checkpoint lacks tensor(s) {missing[:3]}{'...' if len(missing) > 3 else ''}")
+
+    def take(ours, index, name, transform):
+        piece = _take(tensors, name, transform)
+        accepted = [s[1:] if index is not None else s for s in accepted_shapes(shapes[ours])]
+        if piece.shape not in accepted:
+            raise CheckpointError(f"{name}: shape {piece.shape} after mapping to {ours!r}, config implies "
+                                  f"{' or '.join(map(str, accepted))}{' per layer' if index is not None else ''}")
+        return piece
+
+    jobs = [(ours, i if stacked else None, functools.partial(take, ours, i if stacked else None, name, transform))
+            for ours, names, stacked, transform in rows for i, name in enumerate(names)]
+    if layer_major:
+        jobs.sort(key=lambda job: -1 if job[1] is None else job[1])  # stable: table order within a layer
+    return jobs
 
 
 def apply_table(tensors: dict[str, np.ndarray], table, prefix: str, num_layers: int,
                 shapes: dict[str, tuple[int, ...]], dtype, skip: tuple[str, ...] = ()) -> dict:
-    """Pop every row's tensors out of `tensors` and build our nested params, checked finite and
-    shape-checked (a `ShapesOnly` dry run: each row's expected shape, nothing read)."""
+    """Take every row's tensors out of `tensors` (`table_jobs`) and build our nested params, each
+    row's layers written into one stacked array of `dtype` (None: its first tensor's own dtype); a
+    `Source` gets each finished row through its `place`. A `ShapesOnly` dry run: each row's
+    expected shape, nothing read."""
     params: dict = {}
-    for ours, hf_name, transform in table:
-        if ours in skip:
-            continue
-        if isinstance(tensors, ShapesOnly):
-            _set(params, ours, shapes[ours])
-            continue
-        names = ([prefix + hf_name.format(i=i) for i in range(num_layers)] if "{i}" in hf_name
-                 else [prefix + hf_name])
-        missing = [n for n in names if n not in tensors]
-        if missing:
-            raise CheckpointError(f"checkpoint lacks tensor(s) {missing[:3]}{'...' if len(missing) > 3 else ''}")
-        arrays = [(transform or (lambda a: a))(tensors.pop(n)) for n in names]
-        value = np.stack(arrays) if "{i}" in hf_name else np.ascontiguousarray(arrays[0])
-        if not all_finite(value):
-            broken = next(n for n, a in zip(names, arrays) if not all_finite(a))
-            raise CheckpointError(f"checkpoint tensor {broken} holds NaN or inf")
-        accepted = accepted_shapes(shapes[ours])
-        if value.shape not in accepted:
-            raise CheckpointError(f"{names[0]}: shape {value.shape} after mapping to {ours!r}, "
-                                  f"config implies {' or '.join(map(str, accepted))}")
-        _set(params, ours, value.astype(dtype, copy=False))
+    if isinstance(tensors, ShapesOnly):
+        for ours, _, _ in table:
+            if ours not in skip:
+                set_path(params, ours, shapes[ours])
+        return params
+    rows: dict[str, np.ndarray] = {}
+    for ours, index, take in table_jobs(tensors, table, prefix, num_layers, shapes, skip):
+        piece = take()
+        if ours not in rows:
+            rows[ours] = aligned_empty(piece.shape if index is None else (num_layers, *piece.shape), dtype or piece.dtype)
+        copy_into(rows[ours] if index is None else rows[ours][index], piece)
+        del piece  # before `place`: the row is all that is left of it
+        if index is None or index == num_layers - 1:
+            value = rows.pop(ours)
+            set_path(params, ours, tensors.place(prefix + ours, value) if isinstance(tensors, Source) else value)
     return params

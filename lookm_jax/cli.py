@@ -126,7 +126,8 @@ def cmd_methods(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from tqdm.auto import tqdm
+    import ml_dtypes
+    import numpy as np
 
     from lookm_jax.convert import store
     from lookm_jax.loading import read_checkpoint
@@ -136,13 +137,10 @@ def cmd_convert(args) -> int:
     if os.path.exists(args.dst) and not args.force:
         raise InputError(f"{args.dst} exists; pass --force to replace it")
     store.check_replaceable(args.dst)
-    with tqdm(total=2, desc="lookm convert", unit="step", leave=False) as bar:
-        bar.set_postfix_str(f"reading {args.src}")
-        manifest, params, tokenizer_json = read_checkpoint(args.src)
-        bar.update()
-        bar.set_postfix_str(f"writing {args.dst}")
-        store.save_converted(args.dst, params, manifest, tokenizer_json)  # atomic: a tmp folder renamed
-        bar.update()
+    ckpt = read_checkpoint(args.src)
+    dtype = {"checkpoint": None, "float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}[args.dtype]
+    # atomic (a tmp folder renamed); one tensor in memory at a time
+    store.convert_checkpoint(args.dst, ckpt.config, ckpt.tensors, ckpt.manifest, ckpt.tokenizer_json, dtype)
     print(f"converted {args.src} -> {args.dst} (`lookm generate --model {args.dst}`)")
     return 0
 
@@ -172,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("src", type=path_arg, help="HF checkpoint folder (llava-hf, original LLaVA layout, llama/qwen2) or .gguf file")
     c.add_argument("dst", type=path_arg, help="converted folder to write (atomically)")
     c.add_argument("--force", action="store_true", help="replace DST if it exists (a converted or empty folder only)")
+    c.add_argument("--dtype", choices=("checkpoint", *PARAM_DTYPES), default="checkpoint",
+                   help="dtype of the stored parameters ('checkpoint': each keeps its own, so fp16 stays 16-bit)")
     c.set_defaults(func=cmd_convert)
     for group, help_text in GROUP_HELP.items():
         commands = sub.add_parser(group, help=help_text).add_subparsers(dest=f"{group}_command", required=True)

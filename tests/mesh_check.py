@@ -22,9 +22,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import lookm_jax
 from method_variants import DEFAULTS, build
 from lookm_jax import Model, generate as gen, get_method, sharding
-from lookm_jax.convert.tables import clip_shapes, llama_shapes, projector_shapes
+from lookm_jax.convert import store
+from lookm_jax.convert.hf import flat_paths, params_from_hf, parse_config
+from lookm_jax.convert.tables import ShapesOnly, clip_shapes, llama_shapes, projector_shapes
 from lookm_jax.models import llama
 from lookm_jax.models.config import CLIPVisionConfig, LlamaConfig, LlavaConfig, RopeConfig
 
@@ -233,3 +236,31 @@ def test_meshes_that_do_not_fit_are_refused(model, prompt):
     two_by_two = model.shard(sharding.make_mesh(2, 2))
     with pytest.raises(ValueError, match="a batch of 3 rows does not split over a 'data' axis of size 2"):
         two_by_two.run(prompt[0][:3], prompt[1][:2], attention_mask=prompt[2][:3], max_new_tokens=NEW)
+
+
+def test_load_places_each_parameter_split_over_the_mesh(tmp_path, prompt):
+    """`lookm_jax.load(folder, mesh=)` puts each parameter on the devices as it is read, split by
+    `param_specs`: every device holds only its slice of a split weight (its buffer is 1/2 of the
+    whole on the 2x2 mesh's "model" axis), and the logits equal a single-device load's."""
+    hf_config = {"model_type": "llava", "image_token_index": IMAGE, "vision_feature_layer": -2,
+                 "text_config": {"model_type": "llama", "vocab_size": 256, "hidden_size": 48, "intermediate_size": 96,
+                                 "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+                                 "head_dim": D, "rms_norm_eps": 1e-5, "rope_theta": 1000.0},
+                 "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                                   "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 30, "patch_size": 6}}
+    shapes = flat_paths(params_from_hf(parse_config(hf_config), ShapesOnly()))
+    params = _random_params(shapes, np.random.default_rng(3))
+    store.save_converted(str(tmp_path / "c"), params, {"hf_config": hf_config})
+    mesh = sharding.make_mesh(2, 2)
+    single, split = lookm_jax.load(str(tmp_path / "c")), lookm_jax.load(str(tmp_path / "c"), mesh=mesh)
+    assert split.mesh is mesh
+    specs = jax.tree.leaves(sharding.param_specs(split.params, mesh), is_leaf=lambda x: isinstance(x, P))
+    halves = 0
+    for (path, a), spec in zip(jax.tree_util.tree_flatten_with_path(split.params)[0], specs):
+        assert a.sharding.is_equivalent_to(NamedSharding(mesh, spec), a.ndim), jax.tree_util.keystr(path)
+        parts = 2 if sharding.MODEL in spec else 1
+        assert {s.data.nbytes for s in a.addressable_shards} == {a.nbytes // parts}, jax.tree_util.keystr(path)
+        halves += parts == 2
+    assert halves >= 2 * 4 + 2  # per decoder layer w_qkv, wo, w_gate_up, w_down; embed, lm_head (and the tower's)
+    np.testing.assert_allclose(split.logits(prompt[0], prompt[1], attention_mask=prompt[2]),
+                               single.logits(prompt[0], prompt[1], attention_mask=prompt[2]), atol=1e-5, rtol=0)

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 import lookm_jax
 from conftest import tiny_llava
 from lookm_jax import loading
-from lookm_jax.convert import store
+from lookm_jax.convert import safetensors_io, store
 from lookm_jax.convert.hf import CheckpointError
 from lookm_jax.convert.tables import canonical_name
 from lookm_jax.errors import InputError
@@ -213,7 +213,7 @@ def test_converted_folder_whose_config_disagrees_with_its_params_is_refused(chec
     manifest = json.loads((tmp_path / "c" / store.MANIFEST).read_text())
     edit(manifest["hf_config"])
     (tmp_path / "c" / store.MANIFEST).write_text(json.dumps(manifest))
-    monkeypatch.setattr(store, "load_file", lambda path: pytest.fail("the params were read before the check"))
+    monkeypatch.setattr(safetensors_io.FileTensor, "read", lambda self: pytest.fail("the params were read before the check"))
     folder = re.escape(str(tmp_path / "c"))
     with pytest.raises(CheckpointError, match=rf"^{folder}: parameter {message}.*convert the checkpoint again"):
         lookm_jax.load(str(tmp_path / "c"))
@@ -325,3 +325,28 @@ def test_runtime_layout_round_trips_and_keeps_each_heads_projection():
     assert set(back["layers"]) == set(stored["layers"])
     for name, value in stored["layers"].items():
         np.testing.assert_array_equal(back["layers"][name], value, err_msg=name)
+
+
+def test_streamed_runtime_layout_equals_runtime_params(tmp_path):
+    """Loading builds the decoder's runtime layout tensor by tensor from a converted folder's stored
+    layers (`convert.runtime`): the same arrays as `llama.runtime_params` on the whole stacked tree."""
+    from lookm_jax.convert import runtime
+    from lookm_jax.convert.tables import llama_shapes
+    from lookm_jax.models import llama
+    from lookm_jax.models.config import LlamaConfig, RopeConfig
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=24, intermediate_size=40, num_layers=3, num_heads=6,
+                      num_kv_heads=2, head_dim=4, rms_norm_eps=1e-5, rope=RopeConfig(theta=1e4), qkv_bias=True)
+    rng = np.random.default_rng(1)
+    stored = store.unflatten({path: rng.standard_normal(shape).astype(np.float32)
+                              for path, shape in llama_shapes(cfg).items()})
+    store.save_file(store.flatten(stored), str(tmp_path / "p.safetensors"))
+    handles = safetensors_io.read_header(str(tmp_path / "p.safetensors"))
+    placed = []
+    streamed = runtime.text_params(cfg, runtime.stored_jobs(handles, cfg.num_layers), np.float32,
+                                   lambda path, a: placed.append(path) or a)
+    whole = llama.runtime_params(cfg, stored)
+    assert jax.tree.structure(streamed) == jax.tree.structure(whole)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(streamed)[0], jax.tree.leaves(whole)):
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+    assert len(placed) == len(set(placed)) == len(jax.tree.leaves(whole)) and "text.layers.2.w_qkv" in placed
