@@ -148,3 +148,28 @@ def test_stage_two_batches_cover_every_picture_kind_and_fit_their_static_shapes(
     assert asked == set(scenes.PICTURE_KINDS) | {"text_fact"}
     with pytest.raises(ValueError, match="unknown question kinds"):
         BatchSpec(batch_size=1, pictures=2, turns=1, length=8, max_targets=2, kinds=("colour_of_sky",))
+
+
+def test_the_demo_built_with_adapters_folded_equals_them_applied_on_the_fly(tmp_path):
+    """`build_demo(decoder=FILE)` folds a run's exported adapters into the stored weights: its logits
+    equal the frozen demo's with the same adapters applied on the fly."""
+    from lookm_jax import loading
+
+    frozen = loading.demo_model(decoder="frozen")
+    ad = jax.tree.map(lambda x: x.astype(jnp.float16).astype(jnp.float32),  # as exported: float16
+                      _random_adapters(frozen.params["text"]))
+    path = str(tmp_path / "adapters.safetensors")
+    decoder.export_adapters(path, ad, 1.0, {})
+    folded = loading.demo_model(decoder=path)
+    assert folded.manifest["decoder"] == path
+    ids = jnp.asarray(frozen.encode_chat("What is the capital of France?"))
+    valid = jnp.ones(ids.shape, bool)
+
+    def logits(text):
+        x = llama.embed_tokens(text, ids)
+        return llama.lm_logits(text, llama.forward(frozen.text_config, text, x, valid))
+
+    on_the_fly = logits(lora.apply(frozen.params["text"], ad, 1.0))
+    error = float(jnp.abs(logits(folded.params["text"]) - on_the_fly).max())
+    assert error <= 1e-5 * float(jnp.abs(on_the_fly).max()), error  # the ports' bar: 1e-5 of the logits' scale
+    assert float(jnp.abs(on_the_fly - logits(frozen.params["text"])).max()) > 1e-2
