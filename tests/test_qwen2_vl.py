@@ -67,6 +67,7 @@ def tiny_qwen2_vl(folder, seed=0):
                 p.normal_(0, 0.1)
             elif "visual" in name and name.endswith("weight"):
                 p.normal_(0, 0.15)
+        model.lm_head.weight[START:] = 0  # never generates an image placeholder (HF would splice features there)
     model.save_pretrained(str(folder))
     tiny_tokenizer().save(str(folder / "tokenizer.json"))
     hf_image_processor().save_pretrained(str(folder))
@@ -156,3 +157,163 @@ def test_image_features_match_hf(tiny, batch):
     ref = torch.cat(ref).numpy()
     chex.assert_shape(feats, (patches.shape[0] // 4, 96))
     np.testing.assert_allclose(feats, ref, atol=5e-6 * np.abs(ref).max(), rtol=0)
+
+
+# ---- preprocessing and prompt expansion against HF's image processor and Qwen2VLProcessor ----------
+
+def test_patches_equal_hf_image_processor():
+    hf = hf_image_processor()
+    config = Qwen2VLImageProcessorConfig.from_hf_dict(json.loads(hf.to_json_string()))
+    assert (config.patch_size, config.min_pixels, config.max_pixels) == (4, PROCESSOR["min_pixels"],
+                                                                         PROCESSOR["max_pixels"])
+    # below min_pixels, above max_pixels, within, elongated, odd sizes
+    sizes = SIZES + [(5, 7), (200, 90), (33, 9), (8, 8), (63, 65)]
+    images = _images(sizes, seed=2)
+    want = hf(images=images, return_tensors="np")
+    patches, grid = preprocess_patches(images, config)
+    np.testing.assert_array_equal(grid, want["image_grid_thw"])
+    assert len({tuple(g) for g in grid.tolist()}) == len(sizes)
+    chex.assert_shape(patches, (int(grid.prod(1).sum()), 3 * 2 * 4 * 4))
+    np.testing.assert_array_equal(patches, want["pixel_values"])  # bit-equal
+
+
+def test_preprocessor_config_refuses_what_it_cannot_do():
+    base = {"image_processor_type": "Qwen2VLImageProcessor"}
+    for extra, named in (({"do_center_crop": True}, "do_center_crop"), ({"size": {"height": 8}}, "size"),
+                         ({"mystery": 1}, "mystery"), ({"min_pixels": 100, "max_pixels": 50}, "min_pixels")):
+        with pytest.raises(ValueError, match=named):
+            Qwen2VLImageProcessorConfig.from_hf_dict({**base, **extra})
+    with pytest.raises(ValueError, match="CLIPImageProcessor"):
+        Qwen2VLImageProcessorConfig.from_hf_dict({"image_processor_type": "CLIPImageProcessor"})
+    # Qwen2-VL-7B-Instruct's own file (min_pixels / max_pixels keys) reads as written.
+    config = Qwen2VLImageProcessorConfig.from_hf_dict({**base, "min_pixels": 3136, "max_pixels": 12845056,
+                                                      "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2})
+    assert (config.max_pixels, config.factor) == (12845056, 28)
+
+
+def _hf_processor():
+    from transformers import PreTrainedTokenizerFast, Qwen2VLProcessor
+
+    class ImagesOnly(Qwen2VLProcessor):  # the video processor needs torchvision, which is not installed
+        def check_argument_for_proper_class(self, name, arg):
+            return None if name == "video_processor" else super().check_argument_for_proper_class(name, arg)
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer())
+    return ImagesOnly(image_processor=hf_image_processor(), tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def chat(tiny):
+    """One prompt, two pictures of different sizes, through HF's processor and through ours."""
+    images = _images(SIZES[:2], seed=1)
+    image = "<|vision_start|><|image_pad|><|vision_end|>"
+    want = _hf_processor()(images=images, text=f"{image}\n{image}\nwhat is this", return_tensors="np")
+    pixels, grids = tiny[1].preprocess_images(images)
+    ids = tiny[1].encode_chat("what is this", num_images=2, image_tiles=grids)
+    return want, ids, pixels, grids
+
+
+def test_preprocess_images_and_encode_chat_equal_hf_processor(chat):
+    want, ids, pixels, grids = chat
+    assert isinstance(pixels, Pixels) and grids == [tuple(g) for g in want["image_grid_thw"].tolist()]
+    np.testing.assert_array_equal(ids, want["input_ids"])
+    np.testing.assert_array_equal(pixels.patches, want["pixel_values"])
+    np.testing.assert_array_equal(pixels.grid, want["image_grid_thw"])
+    assert (ids == IMAGE_TOKEN).sum() == sum(t * h * w // 4 for t, h, w in grids) and (ids == START).sum() == 2
+
+
+def test_encode_chat_needs_one_grid_per_image(tiny):
+    model = tiny[1]
+    with pytest.raises(InputError, match="2 <image> marker"):
+        model.encode_chat("what", num_images=2, image_tiles=[(1, 4, 4)])
+    assert IMAGE_TOKEN not in model.encode_chat("what is this")
+
+
+def test_pixels_that_do_not_fit_the_prompt_are_refused(tiny, batch):
+    model = tiny[1]
+    ids, mask, patches, grid = batch
+    swapped = grid[[1, 0, 2]]  # same patch count, runs in the wrong order
+    with pytest.raises(InputError, match="placeholder runs"):
+        model.logits(ids, Pixels(patches, swapped), attention_mask=mask)
+    with pytest.raises(InputError, match="grid describes"):
+        model.logits(ids, Pixels(patches[:-4], grid), attention_mask=mask)
+    with pytest.raises(InputError, match="qwen2_vl.Pixels"):
+        model.logits(ids, patches, attention_mask=mask)
+    video = grid.copy()
+    video[0, 0] = 2
+    with pytest.raises(InputError, match="videos"):
+        model.logits(ids, Pixels(patches, video), attention_mask=mask)
+
+
+# ---- generation: full cache against HF's generate, compressed cache against a masked reference -----
+
+def _row_inputs(batch, row):
+    """Row `row` of the batch alone, unpadded, with its own images: HF's inputs."""
+    ids, mask, patches, grid = batch
+    first = [0, 2][row]
+    images = slice(first, first + [2, 1][row])
+    offsets = np.concatenate([[0], np.cumsum(grid.prod(1))])
+    length = int(mask[row].sum())
+    return _hf_inputs(ids[row:row + 1, :length], mask[row:row + 1, :length],
+                      patches[offsets[images.start]:offsets[images.stop]], grid[images])
+
+
+def test_greedy_generation_matches_hf(tiny, batch):
+    """Our batch of two ragged rows against HF's generate on each row alone (its own positions)."""
+    hf, model = tiny
+    ids, mask, patches, grid = batch
+    ours = model.generate(ids, Pixels(patches, grid), attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    for row in range(2):
+        inputs = _row_inputs(batch, row)
+        with torch.no_grad():
+            ref = hf.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False).numpy()
+        np.testing.assert_array_equal(ours[row], ref[0, inputs["input_ids"].shape[1]:])
+
+
+def _compressed_run(model, batch, method):
+    """Prefill + compress + decode as Model.run does -> (tokens [B, T], the cache's prompt slots'
+    positions [N, B, Hkv, P], its next positions [B])."""
+    from lookm_jax import generate as gen, inputs
+
+    ids, mask, patches, grid = batch
+    prompt = inputs.prepare(model, ids, Pixels(patches, grid), mask, NEW_TOKENS, [method])
+    key = jax.random.key(0)
+    first, cache, _ = gen.prefill(model.config, model.params, prompt.ids, prompt.valid, prompt.pixel_values, key,
+                                  method=method, max_new_tokens=NEW_TOKENS, sampling=gen.Sampling())
+    kept = np.asarray(cache.positions)[..., :method.capacity(prompt.ids.shape[1])]
+    next_position = np.asarray(cache.next_position)
+    tokens, _, _ = gen.decode(model.text_config, model.params["text"], first, cache, key, max_new_tokens=NEW_TOKENS,
+                              sampling=gen.Sampling(), eos_ids=())
+    return np.asarray(tokens), kept, next_position
+
+
+def test_compressed_decode_equals_hf_attending_to_the_kept_slots(tiny, batch):
+    """StreamingLLM keeps the same slots in every layer and head, so HF can run the reference: one
+    forward over prompt + generated tokens, the new tokens' queries masked off the evicted prompt
+    keys, every position given explicitly (the prompt's M-RoPE rows, then max + 1, + 2, ...)."""
+    hf, model = tiny
+    method = lookm_jax.get_method("streamingllm", budget=0.4)
+    tokens, kept, next_position = _compressed_run(model, batch, method)
+    for row in range(2):
+        inputs = _row_inputs(batch, row)
+        length = inputs["input_ids"].shape[1]
+        slots = kept[:, row]
+        assert (slots == slots[:1, :1]).all()  # one kept set for every layer and head
+        keep = np.zeros(length, bool)
+        keep[slots[0, 0][slots[0, 0] >= 0]] = True
+        image = inputs["mm_token_type_ids"].numpy()[0].astype(bool)
+        assert 0 < keep.sum() < length and (image & ~keep).any()  # image tokens were evicted
+        prompt_positions, delta = hf.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                                          image_grid_thw=inputs["image_grid_thw"])
+        assert next_position[row] == length + int(delta[0, 0])
+        new = torch.as_tensor(np.array(tokens[row:row + 1, :-1]), dtype=torch.long)
+        total = length + new.shape[1]
+        positions = torch.cat([prompt_positions, next_position[row] + torch.arange(new.shape[1]).expand(3, 1, -1)], 2)
+        allowed = np.tril(np.ones((total, total), bool))
+        allowed[length:, :length] &= keep  # generated tokens see the kept prompt slots only
+        mask = torch.where(torch.as_tensor(allowed), 0.0, torch.finfo(torch.float32).min)[None, None]
+        with torch.no_grad():
+            logits = hf(input_ids=torch.cat([inputs["input_ids"], new], 1), pixel_values=inputs["pixel_values"],
+                        image_grid_thw=inputs["image_grid_thw"], position_ids=positions, attention_mask=mask,
+                        mm_token_type_ids=torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(new)], 1)).logits
+        np.testing.assert_array_equal(tokens[row], logits[0, length - 1:].argmax(-1).numpy())
