@@ -198,9 +198,10 @@ class Qwen2VLConfig:
         # HF's attention takes head_dim = hidden_size / heads, whatever a config says.
         text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]
         text["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False) or text.get("tie_word_embeddings"))
-        rope = dict(text.pop("rope_parameters", None) or text.pop("rope_scaling", None) or {})
-        if "type" in rope:
-            rope.setdefault("rope_type", rope.pop("type"))
+        scaling = dict(text.pop("rope_scaling", None) or {})  # the hub's older spelling
+        if "type" in scaling:
+            scaling.setdefault("rope_type", scaling.pop("type"))
+        rope = {**scaling, **(text.pop("rope_parameters", None) or {})}
         section = rope.pop("mrope_section", [16, 24, 24])
         _require(rope.get("rope_type", "default") in ("default", "mrope"), text_where, "rope_type",
                  rope.get("rope_type"), "'default' / 'mrope' (M-RoPE)")

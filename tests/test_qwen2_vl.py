@@ -317,3 +317,45 @@ def test_compressed_decode_equals_hf_attending_to_the_kept_slots(tiny, batch):
                         image_grid_thw=inputs["image_grid_thw"], position_ids=positions, attention_mask=mask,
                         mm_token_type_ids=torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(new)], 1)).logits
         np.testing.assert_array_equal(tokens[row], logits[0, length - 1:].argmax(-1).numpy())
+
+
+def test_every_method_runs_on_ragged_rows_with_every_image_token_marked(tiny, batch):
+    from method_variants import DEFAULTS, build
+
+    model = tiny[1]
+    ids, mask, patches, grid = batch
+    n_image = ((ids == IMAGE_TOKEN) & mask.astype(bool)).sum(1)
+    full = model.run(ids, Pixels(patches, grid), attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    for name, _ in DEFAULTS:
+        result = model.run(ids, Pixels(patches, grid), attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                           method=build(name, {}, budget=0.5))
+        np.testing.assert_array_equal(result.image_tokens, n_image)
+        np.testing.assert_array_equal(result.prompt_lengths, mask.sum(1))
+        assert (result.cache_bytes < result.full_cache_bytes) == (name != "full")
+        if name == "lookm":  # the text prior keeps every text token
+            np.testing.assert_array_equal(result.kept_text_tokens, mask.sum(1) - n_image)
+        chex.assert_shape(result.tokens, (2, NEW_TOKENS))
+    # A budget that keeps every slot, merging nothing, decodes as the full cache does.
+    kept_all = model.run(ids, Pixels(patches, grid), attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                         method=lookm_jax.get_method("lookm", budget=1.0, merge=None))
+    np.testing.assert_array_equal(kept_all.tokens, full.tokens)
+
+
+def test_prefill_and_decode_export_for_gpu_and_tpu(tiny, batch):
+    import functools
+
+    from lookm_jax import generate as gen, inputs
+
+    model = tiny[1]
+    ids, mask, patches, grid = batch
+    method = lookm_jax.get_method("lookm", budget=0.5)
+    prompt = inputs.prepare(model, ids, Pixels(patches, grid), mask, NEW_TOKENS, [method])
+    args = (model.config, model.params, prompt.ids, prompt.valid, prompt.pixel_values, jax.random.key(0))
+    static = dict(method=method, max_new_tokens=NEW_TOKENS, sampling=gen.Sampling())
+    platforms = ("cuda", "tpu")
+    assert jax.export.export(gen.prefill, platforms=platforms)(*args, **static).platforms == platforms
+    first, cache, _ = jax.eval_shape(functools.partial(gen.prefill, args[0], **static), *args[1:])
+    exported = jax.export.export(gen.decode, platforms=platforms)(
+        model.text_config, model.params["text"], first, cache, args[-1], max_new_tokens=NEW_TOKENS,
+        sampling=gen.Sampling(), eos_ids=model.text_config.eos_token_ids)
+    assert exported.platforms == platforms
