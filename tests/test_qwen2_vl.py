@@ -359,3 +359,123 @@ def test_prefill_and_decode_export_for_gpu_and_tpu(tiny, batch):
         model.text_config, model.params["text"], first, cache, args[-1], max_new_tokens=NEW_TOKENS,
         sampling=gen.Sampling(), eos_ids=model.text_config.eos_token_ids)
     assert exported.platforms == platforms
+
+
+# ---- config handling, checkpoint layouts, conversion ----------------------------------------------
+
+# Qwen/Qwen2-VL-7B-Instruct's config.json as published: the flat layout, hub rope_scaling.
+HUB_7B = {
+    "model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"], "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "vision_token_id": 151654, "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu",
+    "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 32768,
+    "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.41.2", "use_cache": True, "use_sliding_window": False,
+    "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3,
+                      "hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14,
+                      "temporal_patch_size": 2},
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 152064}
+
+
+def test_hub_config_parses_as_hf_reads_it():
+    from transformers import Qwen2VLConfig as HFConfig
+
+    cfg = Qwen2VLConfig.from_hf(HUB_7B)
+    hf = HFConfig(**{k: v for k, v in HUB_7B.items() if k not in ("model_type", "transformers_version")})
+    text = hf.text_config
+    assert (cfg.text.hidden_size, cfg.text.num_layers, cfg.text.num_heads, cfg.text.num_kv_heads, cfg.text.vocab_size,
+            cfg.text.intermediate_size) == (text.hidden_size, text.num_hidden_layers, text.num_attention_heads,
+                                            text.num_key_value_heads, text.vocab_size, text.intermediate_size)
+    assert cfg.text.rope.theta == text.rope_parameters["rope_theta"] == 1e6 and cfg.text.rope.mrope_section == (16, 24, 24)
+    assert cfg.text.qkv_bias and not cfg.text.tie_word_embeddings and cfg.text.head_dim == 128
+    assert (cfg.vision.depth, cfg.vision.embed_dim, cfg.vision.in_channels) == (32, 1280, 3)
+    assert (cfg.image_token_id, cfg.vision_start_token_id) == (hf.image_token_id, hf.vision_start_token_id)
+
+
+def _with(d, path, value):
+    d = json.loads(json.dumps(d))
+    *parents, leaf = path.split(".")
+    target = d
+    for key in parents:
+        target = target[key]
+    target[leaf] = value
+    return d
+
+
+REFUSED = [
+    ("mystery_field", 1, "mystery_field"),
+    ("use_sliding_window", True, "use_sliding_window"),
+    ("rope_scaling", {"type": "mrope", "mrope_section": [16, 24, 20]}, "mrope_section"),
+    ("rope_scaling", {"type": "yarn", "factor": 2.0}, "rope_type"),
+    ("vision_config.hidden_act", "relu", "hidden_act"),
+    ("vision_config.spatial_patch_size", 16, "spatial_patch_size"),
+    ("vision_config.num_heads", 12, "num_heads"),
+    ("vision_config.hidden_size", 4096, "hidden_size"),
+    ("vision_config.window_size", 112, "window_size"),  # Qwen2.5-VL's windowed tower
+    ("image_token_id", 10**6, "image_token_id"),
+]
+
+
+@pytest.mark.parametrize("path,value,named", REFUSED, ids=[r[0] + "=" + str(r[1]) for r in REFUSED])
+def test_unsupported_config_refused_naming_the_field(path, value, named):
+    with pytest.raises(ConfigError, match=named):
+        Qwen2VLConfig.from_hf(_with(HUB_7B, path, value))
+
+
+def test_hub_key_layout_and_converted_round_trip_give_the_same_params(tiny, tmp_path):
+    """Hub names (visual.*, model.layers.*: what save_pretrained writes) and transformers 5's module
+    names (model.visual.*, model.language_model.*) convert alike; `lookm convert` + `load` keeps
+    config, preprocessor settings and params."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from lookm_jax.cli import main
+
+    model = tiny[1]
+    source = model.manifest["source"]
+    tensors = load_file(f"{source}/model.safetensors")
+    assert all(k.startswith(("visual.", "model.layers.", "model.embed_tokens.", "model.norm.", "lm_head."))
+               for k in tensors)
+    renamed = {("model." + k if k.startswith("visual.") else k.replace("model.", "model.language_model.", 1)
+                if k.startswith("model.") else k): v for k, v in tensors.items()}
+    (tmp_path / "v5").mkdir()
+    for name in ("config.json", "tokenizer.json", "preprocessor_config.json"):
+        shutil.copy(f"{source}/{name}", tmp_path / "v5")
+    save_file(renamed, str(tmp_path / "v5" / "model.safetensors"), metadata={"format": "pt"})
+    chex.assert_trees_all_equal(lookm_jax.load(str(tmp_path / "v5")).params, model.params)
+
+    assert main(["convert", str(tmp_path / "v5"), str(tmp_path / "converted")]) == 0
+    again = lookm_jax.load(str(tmp_path / "converted"))
+    assert again.config == model.config and again.manifest["image_processor"] == model.manifest["image_processor"]
+    chex.assert_trees_all_equal(again.params, model.params)
+
+
+def test_checkpoint_missing_a_merger_tensor_is_refused(tiny, tmp_path):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from lookm_jax.convert.tables import CheckpointError
+
+    source = tiny[1].manifest["source"]
+    shutil.copy(f"{source}/config.json", tmp_path)
+    tensors = load_file(f"{source}/model.safetensors")
+    save_file({k: v for k, v in tensors.items() if "merger.mlp.2.bias" not in k}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="merger.mlp.2.bias"):
+        lookm_jax.load(str(tmp_path))
+
+
+def test_cli_generate_preprocesses_with_the_checkpoint_processor(tiny, tmp_path, capsys):
+    from lookm_jax.cli import main
+
+    paths = []
+    for i, image in enumerate(_images(SIZES[:2], seed=1)):
+        paths.append(str(tmp_path / f"image{i}.png"))
+        image.save(paths[-1])
+    argv = ["generate", "--model", tiny[1].manifest["source"], "--prompt", "what is this", "--max-new-tokens", "2"]
+    assert main(argv + [arg for p in paths for arg in ("--image", p)]) == 0
+    tokens = sum(h * w // 4 for h, w in ((8, 12), (10, 6)))  # 32 x 48 and 40 x 24 pixels, 4 px patches
+    assert f"({tokens} image," in capsys.readouterr().out
