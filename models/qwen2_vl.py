@@ -189,11 +189,10 @@ class Qwen2VLConfig:
         handled = {"text_config", "vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
                    "vision_end_token_id", "vision_token_id", "tie_word_embeddings"}
         _check_fields(d, handled | (set() if nested else _TEXT_FIELDS), where)
-        text = dict(d["text_config"] or {}) if nested else {k: d[k] for k in _TEXT_FIELDS | {"bos_token_id",
-                                                                                              "eos_token_id"} if k in d}
+        text = dict(d["text_config"] or {}) if nested else {k: d[k] for k in _TEXT_FIELDS if k in d}
         text_where = f"{where}.text_config" if nested else where
-        _require(text.pop("model_type", "qwen2_vl_text") in ("qwen2_vl_text", "qwen2_vl"), text_where,
-                 "model_type", d.get("model_type"), "'qwen2_vl_text'")
+        text_type = text.pop("model_type", "qwen2_vl_text")
+        _require(text_type in ("qwen2_vl_text", "qwen2_vl"), text_where, "model_type", text_type, "'qwen2_vl_text'")
         text = {**_TEXT_DEFAULTS, **text, "model_type": "qwen2"}
         # HF's attention takes head_dim = hidden_size / heads, whatever a config says.
         text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]

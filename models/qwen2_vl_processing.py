@@ -18,7 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
-from lookm_jax.models.image_processing import CLIP_MEAN, CLIP_STD, _to_rgb, check_pixel_settings
+from lookm_jax.models.image_processing import (CLIP_MEAN, CLIP_STD, _to_rgb, check_pixel_settings,
+                                               check_positive_ints, pop_processor_keys)
 from lookm_jax.models.internvl_processing import _normalise
 
 _PROCESSOR_TYPES = {"Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil"}
@@ -46,10 +47,7 @@ class Qwen2VLImageProcessorConfig:
     image_std: tuple[float, float, float] = CLIP_STD
 
     def __post_init__(self):
-        for name in ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_ints(self, ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size"))
         if self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels={self.min_pixels} exceeds max_pixels={self.max_pixels}")
         check_pixel_settings(self)
@@ -63,13 +61,7 @@ class Qwen2VLImageProcessorConfig:
     def from_hf_dict(cls, d: dict) -> Qwen2VLImageProcessorConfig:
         """From a Qwen2-VL preprocessor_config.json; refuses what it cannot do."""
         d = dict(d)
-        kind = d.pop("image_processor_type", None)
-        if kind not in _PROCESSOR_TYPES:
-            raise ValueError(f"image_processor_type {kind!r} is not supported (only {sorted(_PROCESSOR_TYPES)})")
-        d.pop("processor_class", None)  # which processor wraps this one: informational
-        for key, allowed in _NEUTRAL.items():
-            if key in d and d.pop(key) not in allowed:
-                raise ValueError(f"preprocessor field {key!r} is only supported with values {allowed}")
+        pop_processor_keys(d, _PROCESSOR_TYPES, _NEUTRAL)
         kwargs = {}
         size = d.pop("size", None) or {}
         if not (isinstance(size, dict) and set(size) <= {"shortest_edge", "longest_edge"}):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -45,6 +46,17 @@ def image_ids(n_tokens_per_image: int, segments: list) -> np.ndarray:
     for s in segments:
         out.extend([IMAGE_TOKEN] * n_tokens_per_image if s == "img" else [s])
     return np.asarray(out, np.int32)
+
+
+def with_field(config: dict, path: str, value) -> dict:
+    """A deep copy of a config dict with the field at dotted `path` ("vision_config.x") set to `value`."""
+    config = json.loads(json.dumps(config))
+    *parents, leaf = path.split(".")
+    target = config
+    for key in parents:
+        target = target[key]
+    target[leaf] = value
+    return config
 
 
 @pytest.fixture(scope="session", autouse=True)

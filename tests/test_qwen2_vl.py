@@ -21,6 +21,7 @@ from lookm_jax.errors import InputError
 from lookm_jax.models.config import ConfigError
 from lookm_jax.models.qwen2_vl import Pixels, Qwen2VLConfig, mrope_positions
 from lookm_jax.models.qwen2_vl_processing import Qwen2VLImageProcessorConfig, preprocess_patches
+from tests.conftest import with_field
 
 FP32_TOL = 1e-5  # max abs logit difference, relative to the logits' scale
 WORDS = ["what", "is", "this", "a", "cat", "dog", "[UNK]"]
@@ -320,25 +321,25 @@ def test_compressed_decode_equals_hf_attending_to_the_kept_slots(tiny, batch):
 
 
 def test_every_method_runs_on_ragged_rows_with_every_image_token_marked(tiny, batch):
+    """Every method from one shared prefill (`sweep.generate_methods`, whose cache carries the
+    prefill's next M-RoPE positions); the full cache's run counts the image tokens it marked."""
+    from lookm_jax.sweep import generate_methods
     from method_variants import DEFAULTS, build
 
     model = tiny[1]
     ids, mask, patches, grid = batch
-    n_image = ((ids == IMAGE_TOKEN) & mask.astype(bool)).sum(1)
-    full = model.run(ids, Pixels(patches, grid), attention_mask=mask, max_new_tokens=NEW_TOKENS)
-    for name, _ in DEFAULTS:
-        result = model.run(ids, Pixels(patches, grid), attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                           method=build(name, {}, budget=0.5))
-        np.testing.assert_array_equal(result.image_tokens, n_image)
-        np.testing.assert_array_equal(result.prompt_lengths, mask.sum(1))
-        assert (result.cache_bytes < result.full_cache_bytes) == (name != "full")
-        if name == "lookm":  # the text prior keeps every text token
-            np.testing.assert_array_equal(result.kept_text_tokens, mask.sum(1) - n_image)
-        chex.assert_shape(result.tokens, (2, NEW_TOKENS))
+    pixels = Pixels(patches, grid)
+    full = model.run(ids, pixels, attention_mask=mask, max_new_tokens=NEW_TOKENS)  # compiled by the greedy test
+    np.testing.assert_array_equal(full.image_tokens, ((ids == IMAGE_TOKEN) & mask.astype(bool)).sum(1))
+    np.testing.assert_array_equal(full.kept_image_tokens, full.image_tokens)
     # A budget that keeps every slot, merging nothing, decodes as the full cache does.
-    kept_all = model.run(ids, Pixels(patches, grid), attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                         method=lookm_jax.get_method("lookm", budget=1.0, merge=None))
-    np.testing.assert_array_equal(kept_all.tokens, full.tokens)
+    methods = [build(name, {}, budget=0.5) for name, _ in DEFAULTS] + [
+        lookm_jax.get_method("lookm", budget=1.0, merge=None)]
+    tokens = dict(zip([name for name, _ in DEFAULTS] + ["keep_all"],
+                      generate_methods(model, ids, pixels, mask, NEW_TOKENS, methods=methods)))
+    chex.assert_shape(list(tokens.values()), [(2, NEW_TOKENS)] * len(methods))
+    np.testing.assert_array_equal(tokens["full"], full.tokens)
+    np.testing.assert_array_equal(tokens["keep_all"], full.tokens)
 
 
 def test_prefill_and_decode_export_for_gpu_and_tpu(tiny, batch):
@@ -393,16 +394,6 @@ def test_hub_config_parses_as_hf_reads_it():
     assert (cfg.image_token_id, cfg.vision_start_token_id) == (hf.image_token_id, hf.vision_start_token_id)
 
 
-def _with(d, path, value):
-    d = json.loads(json.dumps(d))
-    *parents, leaf = path.split(".")
-    target = d
-    for key in parents:
-        target = target[key]
-    target[leaf] = value
-    return d
-
-
 REFUSED = [
     ("mystery_field", 1, "mystery_field"),
     ("use_sliding_window", True, "use_sliding_window"),
@@ -420,7 +411,7 @@ REFUSED = [
 @pytest.mark.parametrize("path,value,named", REFUSED, ids=[r[0] + "=" + str(r[1]) for r in REFUSED])
 def test_unsupported_config_refused_naming_the_field(path, value, named):
     with pytest.raises(ConfigError, match=named):
-        Qwen2VLConfig.from_hf(_with(HUB_7B, path, value))
+        Qwen2VLConfig.from_hf(with_field(HUB_7B, path, value))
 
 
 def test_hub_key_layout_and_converted_round_trip_give_the_same_params(tiny, tmp_path):
