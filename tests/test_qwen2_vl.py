@@ -271,6 +271,34 @@ def test_greedy_generation_matches_hf(tiny, batch):
         np.testing.assert_array_equal(ours[row], ref[0, inputs["input_ids"].shape[1]:])
 
 
+def test_decode_step_logits_match_hf_at_the_next_mrope_position(tiny, batch):
+    """One decode step on the full cache against HF's forward over prompt + that token (which puts it
+    at max position + 1): logits to the parity tolerance, so the step's RoPE position is exact."""
+    from lookm_jax import generate as gen, inputs
+    from lookm_jax.models import llama
+
+    hf, model = tiny
+    ids, mask, patches, grid = batch
+    method = lookm_jax.get_method("full")
+    prompt = inputs.prepare(model, ids, Pixels(patches, grid), mask, 2, [method])
+    first, cache, _ = gen.prefill(model.config, model.params, prompt.ids, prompt.valid, prompt.pixel_values,
+                                  jax.random.key(0), method=method, max_new_tokens=2, sampling=gen.Sampling())
+    text = model.params["text"]
+    h, _ = jax.jit(llama.decode_step, static_argnums=0)(model.text_config, text,
+                                                        llama.embed_tokens(text, first[:, None])[:, 0], cache)
+    ours = np.asarray(llama.lm_logits(text, h))  # [B, V]
+    for row in range(2):
+        inputs_row = _row_inputs(batch, row)
+        token = torch.as_tensor(np.array(first[row:row + 1, None]), dtype=torch.long)
+        with torch.no_grad():
+            ref = hf(**{**inputs_row, "input_ids": torch.cat([inputs_row["input_ids"], token], 1),
+                        "attention_mask": torch.ones(1, inputs_row["input_ids"].shape[1] + 1, dtype=torch.long),
+                        "mm_token_type_ids": torch.cat([inputs_row["mm_token_type_ids"],
+                                                        torch.zeros_like(token, dtype=torch.int32)], 1)}).logits
+        ref = ref[0, -1].numpy()
+        np.testing.assert_allclose(ours[row], ref, atol=FP32_TOL * np.abs(ref).max(), rtol=0)
+
+
 def _compressed_run(model, batch, method):
     """Prefill + compress + decode as Model.run does -> (tokens [B, T], the cache's prompt slots'
     positions [N, B, Hkv, P], its next positions [B])."""
