@@ -48,6 +48,17 @@ def image_ids(n_tokens_per_image: int, segments: list) -> np.ndarray:
     return np.asarray(out, np.int32)
 
 
+def word_tokenizer(words: list[str], specials: list[str]):
+    """A tiny whitespace word-level tokenizer: `words` take ids 0.., then the `specials` (added tokens);
+    "[UNK]" must be one of the words."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    return tok
+
+
 def with_field(config: dict, path: str, value) -> dict:
     """A deep copy of a config dict with the field at dotted `path` ("vision_config.x") set to `value`."""
     config = json.loads(json.dumps(config))

@@ -21,7 +21,7 @@ from lookm_jax.convert.tables import CheckpointError
 from lookm_jax.models.config import ConfigError
 from lookm_jax.models.internvl import InternVLConfig, internvl_image_features
 from lookm_jax.models.internvl_processing import InternVLImageProcessorConfig, preprocess_tiles
-from tests.conftest import with_field
+from tests.conftest import with_field, word_tokenizer
 
 FP32_TOL = 1e-4  # max abs logit difference (logits are O(50) here)
 TILE, PATCH, PER_TILE = 56, 7, 16
@@ -34,11 +34,7 @@ IMAGENET = {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.2
 
 
 def tiny_tokenizer():
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    tok = word_tokenizer(WORDS, SPECIALS)
     assert [tok.token_to_id(s) for s in SPECIALS[:3]] == [IMG_START, IMG_END, IMAGE_TOKEN]
     return tok
 

@@ -21,7 +21,7 @@ from lookm_jax.errors import InputError
 from lookm_jax.models.config import ConfigError
 from lookm_jax.models.qwen2_vl import Pixels, Qwen2VLConfig, mrope_positions
 from lookm_jax.models.qwen2_vl_processing import Qwen2VLImageProcessorConfig, preprocess_patches
-from tests.conftest import with_field
+from tests.conftest import with_field, word_tokenizer
 
 FP32_TOL = 1e-5  # max abs logit difference, relative to the logits' scale
 WORDS = ["what", "is", "this", "a", "cat", "dog", "[UNK]"]
@@ -35,11 +35,7 @@ SIZES = [(30, 45), (40, 24), (17, 60)]
 
 
 def tiny_tokenizer():
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    tok = word_tokenizer(WORDS, SPECIALS)
     assert [tok.token_to_id(s) for s in SPECIALS[:3]] == [START, END, IMAGE_TOKEN]
     return tok
 
