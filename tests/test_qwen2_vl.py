@@ -128,6 +128,14 @@ def test_mrope_positions_equal_hf_get_rope_index(tiny, batch):
     assert (np.asarray(next_position) < mask.sum(1)).all()  # images take fewer positions than tokens
 
 
+def test_mrope_positions_of_text_alone_are_plain_positions(tiny):
+    ids = np.arange(12, dtype=np.int32).reshape(2, 6) % 7
+    valid = np.arange(6)[None] < np.asarray([[6], [4]])
+    positions, next_position = jax.jit(mrope_positions, static_argnums=0)(tiny[1].config, ids, valid, None)
+    np.testing.assert_array_equal(positions, np.where(valid, np.arange(6), 0)[None].repeat(3, 0))
+    np.testing.assert_array_equal(next_position, [6, 4])
+
+
 def test_logits_match_hf(tiny, batch):
     hf, model = tiny
     ids, mask, patches, grid = batch
