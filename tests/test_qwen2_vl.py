@@ -502,3 +502,23 @@ def test_cli_generate_preprocesses_with_the_checkpoint_processor(tiny, tmp_path,
     assert main(argv + [arg for p in paths for arg in ("--image", p)]) == 0
     tokens = sum(h * w // 4 for h, w in ((8, 12), (10, 6)))  # 32 x 48 and 40 x 24 pixels, 4 px patches
     assert f"({tokens} image," in capsys.readouterr().out
+
+
+def test_attention_received_matches_hf_eager_attention(tiny, batch):
+    """`lookm plot attention`'s statistic (A_s per layer) at Qwen2-VL's M-RoPE positions, against HF's
+    eager attention probabilities (summed over queries, averaged over heads, float64)."""
+    from lookm_jax.analysis import attention_received
+
+    hf, model = tiny
+    inputs = _row_inputs(batch, 0)
+    pixels = Pixels(inputs["pixel_values"].numpy(), inputs["image_grid_thw"].numpy())
+    ours = attention_received(model, inputs["input_ids"].numpy(), pixels)
+    hf.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = hf(**inputs, output_attentions=True)
+    finally:
+        hf.set_attn_implementation("sdpa")
+    ref = np.stack([a[0].double().numpy().sum(axis=1).mean(axis=0) for a in out.attentions])
+    chex.assert_shape(ours, ref.shape)
+    np.testing.assert_allclose(ours, ref, rtol=2e-5, atol=2e-5)
