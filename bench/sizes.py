@@ -26,6 +26,8 @@ from lookm_jax import generate as gen, get_method
 from lookm_jax.convert import original_llava, tables
 from lookm_jax.convert.hf import params_from_hf, parse_config
 from lookm_jax.models import llama
+from lookm_jax.models.qwen2_vl import Pixels, Qwen2VLConfig
+from lookm_jax.models.qwen2_vl_processing import Qwen2VLImageProcessorConfig, smart_resize
 
 CLIP_L_336 = "openai/clip-vit-large-patch14-336"
 CONFIGS = {
@@ -63,8 +65,35 @@ CONFIGS = {
         "mm_vision_tower": "OpenGVLab/InternViT-6B-224px", "mm_hidden_size": 3200,
         "mm_projector_type": "mlp2x_gelu", "mm_vision_select_layer": -4, "mm_vision_select_feature": "patch",
         "image_aspect_ratio": "pad"},
+    # Qwen/Qwen2-VL-7B-Instruct's config.json as published (the flat layout of transformers 4.41).
+    "Qwen2-VL-7B": {
+        "model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"], "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151645, "vision_start_token_id": 151652,
+        "vision_end_token_id": 151653, "vision_token_id": 151654, "image_token_id": 151655,
+        "video_token_id": 151656, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+        "intermediate_size": 18944, "max_position_embeddings": 32768, "max_window_layers": 28,
+        "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.41.2", "use_cache": True, "use_sliding_window": False,
+        "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3,
+                          "hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14,
+                          "temporal_patch_size": 2},
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 152064},
 }
 GIB = 2**30
+PICTURE = (672, 672)  # (height, width) of the one picture of dynamic-resolution models (Qwen2-VL)
+
+
+def one_image(cfg, dtype) -> tuple[object, int]:
+    """The pixel_values of one image (ShapeDtypeStructs) and its placeholder tokens: a fixed-size
+    image, or for Qwen2-VL a PICTURE-sized one through its own `smart_resize`."""
+    if not isinstance(cfg, Qwen2VLConfig):
+        return jax.ShapeDtypeStruct((1, *cfg.pixel_shape), dtype), cfg.image_seq_length
+    height, width = smart_resize(*PICTURE, Qwen2VLImageProcessorConfig())
+    grid = (1, height // cfg.vision.patch_size, width // cfg.vision.patch_size)
+    pixels = Pixels(jax.ShapeDtypeStruct((math.prod(grid), cfg.vision.patch_dim), dtype),
+                    jax.ShapeDtypeStruct((1, 3), jnp.int32))
+    return pixels, cfg.image_tokens(grid)
 
 
 def abstract_params(cfg, dtype) -> dict:
@@ -79,7 +108,7 @@ def decode_cache(cfg, params: dict, prompt: int, new_tokens: int, method, dtype)
     """The decode cache of `generate.prefill` (ShapeDtypeStructs): one image, prompt = bucket length."""
     ids = jax.ShapeDtypeStruct((1, prompt), jnp.int32)
     valid = jax.ShapeDtypeStruct((1, prompt), jnp.bool_)
-    pixels = jax.ShapeDtypeStruct((1, *cfg.pixel_shape), dtype)
+    pixels, _ = one_image(cfg, dtype)
     prefill = functools.partial(gen.prefill, cfg, method=method, max_new_tokens=new_tokens,
                                 sampling=gen.Sampling())
     _, cache, _ = jax.eval_shape(prefill, params, ids, valid, pixels, jax.random.key(0))
@@ -98,7 +127,8 @@ def main() -> None:
     parser.add_argument("--budgets", type=kept_fraction, nargs="+", default=[0.2, 0.05])
     args = parser.parse_args()
     configs = {name: parse_config(hf_config) for name, hf_config in CONFIGS.items()}
-    name, image = max(((name, cfg.image_seq_length) for name, cfg in configs.items()), key=lambda c: c[1])
+    images = {name: one_image(cfg, jnp.bfloat16)[1] for name, cfg in configs.items()}
+    name, image = max(images.items(), key=lambda c: c[1])
     if args.prompt <= image:
         parser.error(f"--prompt must be more than {image} tokens ({name}'s one image), got {args.prompt}")
     dtype = jnp.bfloat16
@@ -109,6 +139,7 @@ def main() -> None:
     head = ["model", "LM / vision / projector params", "total params", "KV bytes per token"]
     head += [f"cache {name} (slots per head)" for name, _ in methods[:1]]
     head += [f"LOOK-M {name} (slots, x full)" for name, _ in methods[1:]]
+    head += [f"image tokens ({PICTURE[1]}x{PICTURE[0]} for dynamic resolution)"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for name, cfg in configs.items():
         params = abstract_params(cfg, dtype)
@@ -125,6 +156,7 @@ def main() -> None:
             assert size == per_token * cache.capacity  # N x K [B, Hkv, D, S] and V [B, Hkv, S, D], nothing else
             ratio = "" if i == 0 else f", {size / full:.3f}x"
             cells.append(f"{size / GIB:.3f} GiB ({cache.capacity}{ratio})")
+        cells.append(str(images[name]))
         print("| " + " | ".join(cells) + " |")
 
 

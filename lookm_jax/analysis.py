@@ -31,7 +31,8 @@ def attention_received_padded(cfg, params: dict, input_ids: jax.Array, valid: ja
     def received(q, k, v, stats):  # A_s [B, Hkv, L] -> mean over every query head [B, L]
         return scores_from_stats(stats).mean(axis=1)
 
-    return llama.encode(llava.text_config(cfg), params["text"], x, valid, (SUMS,), received)[1]
+    positions, _ = llava.rope_positions(cfg, input_ids, valid, pixel_values)  # M-RoPE for Qwen2-VL
+    return llama.encode(llava.text_config(cfg), params["text"], x, valid, (SUMS,), received, positions)[1]
 
 
 def attention_received(model, input_ids, pixel_values=None) -> np.ndarray:

@@ -61,7 +61,9 @@ class KVCache:
         """Write every layer's (compressed) prompt slots into a cache with room for the new tokens.
 
         keys/values [N, B, Hkv, P, D] and positions [N, B, Hkv, P] (as the prompt encoder's layer
-        loop stacks them), next_position [B]: each row's prompt length. Capacity P + max_new_tokens,
+        loop stacks them), next_position [B]: each row's first new RoPE position (its prompt length;
+        M-RoPE's max prompt position + 1). Decode writes a token's RoPE position as its slot's position
+        (only its sign, valid, is read after the prompt). Capacity P + max_new_tokens,
         cursor P.
         """
         slots = ((0, 0),) * 2 + ((0, max_new_tokens),)

@@ -87,7 +87,8 @@ def prefill_context(model, input_ids, pixel_values=None, attention_mask=None, *,
     cache, is_image = program(*args[1:])
     lengths = prompt.lengths.astype(np.int32)
     return Context(cache=cache, is_image=is_image, prompt_lengths=lengths, bucket=prompt.ids.shape[1],
-                   method=method, used=method.capacity(prompt.ids.shape[1]), next_positions=lengths)
+                   method=method, used=method.capacity(prompt.ids.shape[1]),
+                   next_positions=np.asarray(cache.next_position))  # the length, or M-RoPE's max + 1
 
 
 def ask(model, context: Context, question_ids, attention_mask=None, max_new_tokens: int = 32, *,

@@ -117,9 +117,9 @@ def _compressed_prompt(cfg, params, input_ids, valid, pixel_values, method, room
         kept = method(q, k, v, is_image, valid, stats=stats)
         return kept.keys.astype(k.dtype), kept.values.astype(v.dtype), kept.positions
 
-    h, kept = llama.encode(llava.text_config(cfg), params["text"], x, valid, method.statistics, compress)
-    lengths = valid.sum(axis=1).astype(jnp.int32)  # [B]
-    cache = constrain_cache(KVCache.from_prompt(*kept, lengths, room))  # placed as on the mesh, if any
+    positions, next_position = llava.rope_positions(cfg, input_ids, valid, pixel_values)  # [(3,) B, L], [B]
+    h, kept = llama.encode(llava.text_config(cfg), params["text"], x, valid, method.statistics, compress, positions)
+    cache = constrain_cache(KVCache.from_prompt(*kept, next_position, room))  # placed as on the mesh, if any
     return h, cache, is_image
 
 
@@ -231,6 +231,7 @@ class Prefilled:
     window_positions: jax.Array  # [B, W] int32, their positions (latest first; clamped to 0 past the start)
     valid: jax.Array  # [B, L] bool
     is_image: jax.Array  # [B, L] bool
+    next_position: jax.Array  # [B] int32, each row's first new RoPE position (the length, or M-RoPE's max + 1)
 
 
 def query_window(method, bucket_len: int) -> int:
@@ -261,12 +262,13 @@ def prefill_states(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax.
         q_window = jnp.take_along_axis(q, window_positions[:, None, :, None], axis=2)  # [B, Hq, W, D]
         return k, v, stats, q_window
 
+    positions, next_position = llava.rope_positions(cfg, input_ids, valid, pixel_values)
     h, (keys, values, stats, window_queries) = llama.encode(llava.text_config(cfg), params["text"], x, valid,
-                                                            statistics, keep)
+                                                            statistics, keep, positions)
     logits = llama.lm_logits(params["text"], last_valid(h, valid.sum(axis=1)))
     first = sample(logits, jax.random.fold_in(key, 0), sampling)
     return Prefilled(first=first, keys=keys, values=values, stats=stats, window_queries=window_queries,
-                     window_positions=window_positions, valid=valid, is_image=is_image)
+                     window_positions=window_positions, valid=valid, is_image=is_image, next_position=next_position)
 
 
 @functools.partial(jax.jit, static_argnames=("method", "max_new_tokens"))
@@ -298,5 +300,5 @@ def compress_prefilled(prefilled: Prefilled, *, method, max_new_tokens: int) -> 
 
     layer_inputs = (prefilled.keys, prefilled.values, prefilled.stats, prefilled.window_queries)
     _, kept = jax.lax.scan(layer, None, layer_inputs)
-    return KVCache.from_prompt(*kept, prefilled.valid.sum(axis=1), max_new_tokens)
+    return KVCache.from_prompt(*kept, prefilled.next_position, max_new_tokens)
 

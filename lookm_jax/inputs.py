@@ -144,7 +144,8 @@ def forward_ids(model, input_ids, attention_mask=None, ignore_context_limit: boo
 
 
 def pixel_values(config, dtype, ids: np.ndarray, valid: np.ndarray, pixels) -> jax.Array | None:
-    """pixels [units, C, H, W] matching the prompt's placeholders (units = images, or tiles)."""
+    """pixels [units, C, H, W] matching the prompt's placeholders (units = images, or tiles), or what a
+    config's own `check_pixels` accepts."""
     multimodal = llava.is_multimodal(config)
     n_placeholders = int(((ids == config.image_token_id) & valid).sum()) if multimodal else 0
     if pixels is None:
@@ -153,6 +154,8 @@ def pixel_values(config, dtype, ids: np.ndarray, valid: np.ndarray, pixels) -> j
         return None
     if not multimodal:
         raise InputError("pixel_values given, but this is a text-only model")
+    if hasattr(config, "check_pixels"):  # its own pixel layout (Qwen2-VL: patches + image grids)
+        return config.check_pixels(dtype, ids, valid, pixels)
     pixels = np.asarray(pixels)
     expected = config.pixel_shape
     if pixels.ndim != 4 or pixels.shape[1:] != expected:

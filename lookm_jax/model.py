@@ -32,7 +32,8 @@ def forward_logits(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax.
                    pixel_values: jax.Array | None) -> jax.Array:
     """[B, L] ids -> [B, L, V] fp32 logits, no cache. Static: cfg; L is the static bucket length."""
     x, _ = llava.embed(cfg, params, input_ids, pixel_values)
-    h = llama.forward(llava.text_config(cfg), params["text"], x, valid)
+    positions, _ = llava.rope_positions(cfg, input_ids, valid, pixel_values)
+    h = llama.forward(llava.text_config(cfg), params["text"], x, valid, positions)
     return llama.lm_logits(params["text"], h)
 
 
@@ -238,7 +239,8 @@ class Model:
 
         The checkpoint's own preprocessor: the CLIP processor (with LLaVA's pad-to-square when
         configured) or, for tiling architectures (InternVL), dynamic tiles; pass the tile counts to
-        `encode_chat(..., image_tiles=...)`. A file that is not a readable image raises InputError.
+        `encode_chat(..., image_tiles=...)`. Qwen2-VL returns (`qwen2_vl.Pixels`, each image's grid);
+        pass the grids as `image_tiles`. A file that is not a readable image raises InputError.
         """
         if isinstance(images, (str, bytes, os.PathLike)) or not isinstance(images, Sequence) or not images:
             raise InputError(f"images must be a non-empty list of image files or PIL images, got {images!r:.80}")

@@ -46,6 +46,8 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # M-RoPE (Qwen2-VL): frequencies per (time, height, width) position row, summing to head_dim / 2.
+    mrope_section: tuple[int, ...] | None = None
 
     @classmethod
     def from_hf(cls, params: dict[str, Any] | None, where: str) -> "RopeConfig":

@@ -34,6 +34,26 @@ _NEUTRAL = {
 }
 
 
+def check_positive_ints(config, names: tuple[str, ...]) -> None:
+    """Each named field of an image processor config is a positive int (not a bool)."""
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def pop_processor_keys(d: dict, kinds: set[str], neutral: dict[str, tuple]) -> None:
+    """Remove from a preprocessor_config.json dict its image_processor_type (one of `kinds`), the
+    informational processor_class and the `neutral` keys (each only with a value it lists)."""
+    kind = d.pop("image_processor_type", None)
+    if kind not in kinds:
+        raise ValueError(f"image_processor_type {kind!r} is not supported (only {sorted(kinds)})")
+    d.pop("processor_class", None)  # which processor wraps this one: informational
+    for key, allowed in neutral.items():
+        if key in d and d.pop(key) not in allowed:
+            raise ValueError(f"preprocessor field {key!r} is only supported with values {allowed}")
+
+
 def check_pixel_settings(config) -> None:
     """Validate the fields every image processor config shares: resample, rescale_factor, image_mean/std."""
     if not isinstance(config.rescale_factor, (int, float)) or config.rescale_factor <= 0:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
-from lookm_jax.models.image_processing import _to_rgb, check_pixel_settings
+from lookm_jax.models.image_processing import _to_rgb, check_pixel_settings, check_positive_ints, pop_processor_keys
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -43,10 +43,7 @@ class InternVLImageProcessorConfig:
     image_std: tuple[float, float, float] = IMAGENET_STD
 
     def __post_init__(self):
-        for name in ("tile_size", "min_tiles", "max_tiles"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_ints(self, ("tile_size", "min_tiles", "max_tiles"))
         if self.min_tiles > self.max_tiles:
             raise ValueError(f"min_tiles={self.min_tiles} exceeds max_tiles={self.max_tiles}")
         check_pixel_settings(self)
@@ -58,14 +55,8 @@ class InternVLImageProcessorConfig:
         `crop_to_patches` is accepted whatever its saved value: InternVLProcessor always passes True.
         """
         d = dict(d)
-        kind = d.pop("image_processor_type", None)
-        if kind not in _PROCESSOR_TYPES:
-            raise ValueError(f"image_processor_type {kind!r} is not supported (only {sorted(_PROCESSOR_TYPES)})")
-        d.pop("processor_class", None)  # which processor wraps this one: informational
+        pop_processor_keys(d, _PROCESSOR_TYPES, _NEUTRAL)
         d.pop("crop_to_patches", None)
-        for key, allowed in _NEUTRAL.items():
-            if key in d and d.pop(key) not in allowed:
-                raise ValueError(f"preprocessor field {key!r} is only supported with values {allowed}")
         if not d.pop("do_rescale", True) or not d.pop("do_normalize", True):
             raise ValueError("do_rescale=False / do_normalize=False are not supported")
         kwargs = {}

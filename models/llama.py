@@ -60,8 +60,16 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
 
 
 def rope_tables(cfg: LlamaConfig, positions: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """positions [B, L] -> cos, sin [B, 1, L, D] (HF's rotate-half layout), computed in fp32."""
-    angles = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg.rope, cfg.head_dim)
+    """positions [B, L], or M-RoPE's [3, B, L] (time, height, width rows; `cfg.rope.mrope_section`
+    splits the D/2 frequencies among them, as HF's Qwen2-VL does) -> cos, sin [B, 1, L, D] (HF's
+    rotate-half layout), computed in fp32."""
+    if positions.ndim == 3:  # frequency i rotates by the position row its section names (static)
+        sections = cfg.rope.mrope_section
+        row = np.concatenate([np.full(size, i % 3) for i, size in enumerate(sections)])  # [D/2]
+        positions = jnp.moveaxis(positions[row], 0, -1)  # [B, L, D/2]
+        angles = positions.astype(jnp.float32) * rope_inv_freq(cfg.rope, cfg.head_dim)
+    else:
+        angles = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg.rope, cfg.head_dim)
     angles = jnp.concatenate([angles, angles], axis=-1)[:, None]
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
 
@@ -251,7 +259,7 @@ def embed_tokens(params: dict, ids: jax.Array) -> jax.Array:
 
 
 def encode(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array, statistics: tuple[str, ...] = (),
-           on_layer=None):
+           on_layer=None, positions: jax.Array | None = None):
     """Run the decoder over a right-padded prompt, handing every layer's attention to a hook.
 
     x [B, L, H] embeddings, valid [B, L]. In every layer, ``on_layer(q, k, v, stats)`` gets the
@@ -259,9 +267,11 @@ def encode(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array, stati
     (``statistics``, static: {name: [B, Hkv, G, L] fp32}, see ``causal_attention``) and returns
     what the caller keeps of the layer (any pytree; None keeps nothing). The layers run as one
     `lax.scan`, so only one layer's q/k/v is alive at a time. Returns (final-normed h [B, L, H],
-    the hook's outputs stacked on a leading layer axis N).
+    the hook's outputs stacked on a leading layer axis N). ``positions``: RoPE positions [B, L] or
+    M-RoPE's [3, B, L] (`rope_tables`); None: 0 .. L-1 in every row.
     """
-    positions = jnp.broadcast_to(jnp.arange(x.shape[1]), valid.shape)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(x.shape[1]), valid.shape)
     cos, sin = rope_tables(cfg, positions, x.dtype)
     layers = params["layers"]
     branches = [lambda lp=lp: lp for lp in layers]
@@ -277,9 +287,11 @@ def encode(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array, stati
     return final_hidden(cfg, params, h), kept
 
 
-def forward(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array) -> jax.Array:
-    """Whole-sequence pass without cache. x [B, L, H] embeddings, valid [B, L] -> normed h [B, L, H]."""
-    return encode(cfg, params, x, valid)[0]
+def forward(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array,
+            positions: jax.Array | None = None) -> jax.Array:
+    """Whole-sequence pass without cache. x [B, L, H] embeddings, valid [B, L], positions as for
+    `encode` -> normed h [B, L, H]."""
+    return encode(cfg, params, x, valid, positions=positions)[0]
 
 
 def decode_step(cfg: LlamaConfig, params: dict, x: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:

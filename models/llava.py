@@ -16,7 +16,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from lookm_jax.models import clip, internvit, internvl, llama, mobilevlm
+from lookm_jax.models import clip, internvit, internvl, llama, mobilevlm, qwen2_vl
 from lookm_jax.models.config import LlamaConfig, LlavaConfig
 from lookm_jax.models.layers import gelu_exact, linear
 
@@ -42,7 +42,12 @@ IMAGE_FEATURES: dict[type, Callable[[Any, dict, jax.Array], jax.Array]] = {
     internvit.InternViTLlavaConfig: internvit.image_features,
     mobilevlm.MobileVLMConfig: mobilevlm.image_features,
     internvl.InternVLConfig: internvl.internvl_image_features,
+    qwen2_vl.Qwen2VLConfig: qwen2_vl.image_features,
 }
+
+# config type -> positions(cfg, input_ids, valid, pixel_values) -> (RoPE positions [3, B, L], next
+# position [B]) for architectures whose positions are not 0 .. L-1 (M-RoPE); `rope_positions` uses it.
+ROPE_POSITIONS: dict[type, Callable] = {qwen2_vl.Qwen2VLConfig: qwen2_vl.mrope_positions}
 
 
 def image_features(cfg, params: dict, pixel_values: jax.Array) -> jax.Array:
@@ -52,6 +57,14 @@ def image_features(cfg, params: dict, pixel_values: jax.Array) -> jax.Array:
     except KeyError:
         raise TypeError(f"no image features registered for {type(cfg).__name__}") from None
     return features(cfg, params, pixel_values)
+
+
+def rope_positions(cfg, input_ids: jax.Array, valid: jax.Array, pixel_values) -> tuple[jax.Array, jax.Array]:
+    """Right-padded rows -> (RoPE positions [B, L], or M-RoPE's [3, B, L]; next position [B]: where
+    each row's first new token goes). Without an entry in `ROPE_POSITIONS`: 0 .. L-1 and the lengths."""
+    if type(cfg) in ROPE_POSITIONS:
+        return ROPE_POSITIONS[type(cfg)](cfg, input_ids, valid, pixel_values)
+    return jnp.broadcast_to(jnp.arange(valid.shape[1]), valid.shape), valid.sum(axis=1).astype(jnp.int32)
 
 
 def is_multimodal(cfg) -> bool:

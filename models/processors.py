@@ -12,6 +12,9 @@ it up. The placeholder convention decides the encoding:
   placeholders put between them, as LLaVA's `tokenizer_image_token` does.
 - `Tiles` (HF-format InternVL): dynamic tiles per image; each "<image>" becomes
   <img> + tiles x `image_seq_length` placeholders + </img>, as InternVLProcessor does.
+- `Grids` (Qwen2-VL): dynamic resolution; `preprocess` returns `qwen2_vl.Pixels` (patches and
+  image grids) and the grids, and each "<image>" becomes <|vision_start|> + grid tokens x
+  <|image_pad|> + <|vision_end|>, as Qwen2VLProcessor does.
 
 The CLIP processors use the checkpoint's preprocessor settings, or the CLIP defaults at the
 tower's own image size when it has none.
@@ -30,6 +33,7 @@ from lookm_jax.models.config import LlamaConfig, LlavaConfig
 from lookm_jax.models.internvit import InternViTLlavaConfig
 from lookm_jax.models.internvl import InternVLConfig
 from lookm_jax.models.mobilevlm import MobileVLMConfig
+from lookm_jax.models.qwen2_vl import IMAGE_PAD, Pixels, Qwen2VLConfig
 
 IMAGE_MARKER = "<image>"
 
@@ -58,7 +62,7 @@ class Processor(abc.ABC):
 
     def _no_tiles(self, image_tiles) -> None:
         if image_tiles is not None:
-            raise InputError("image_tiles is only for tiling architectures (InternVL)")
+            raise InputError("image_tiles is only for tiling architectures (InternVL) and image grids (Qwen2-VL)")
 
 
 class TextOnly(Processor):
@@ -100,6 +104,24 @@ class Tiles(Processor):
         return tokenizer.encode(text, add_special_tokens=False).ids
 
 
+class Grids(Processor):
+    tiling = True
+
+    def preprocess(self, pictures):
+        """-> (qwen2_vl.Pixels, the grids [(1, h, w), ...] for `encode`)."""
+        from lookm_jax.models.qwen2_vl_processing import Qwen2VLImageProcessorConfig, preprocess_patches
+
+        settings = self.settings or {"image_processor_type": "Qwen2VLImageProcessor"}
+        patches, grids = preprocess_patches(pictures, Qwen2VLImageProcessorConfig.from_hf_dict(settings))
+        return Pixels(patches, grids.astype(np.int32)), [tuple(g) for g in grids.tolist()]
+
+    def encode(self, tokenizer, text, image_tiles):
+        if tokenizer.token_to_id(IMAGE_PAD) != self.config.image_token_id:
+            raise InputError(f"the tokenizer's {IMAGE_PAD} is not image_token_id={self.config.image_token_id}")
+        text = self.config.expand_image_markers(text, image_tiles or ())
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+
 def _llava(config: LlavaConfig, settings: dict | None) -> Processor:
     """llava-hf's image token is a vocabulary id; the original layout's (-200) is none."""
     cls = SplitPlaceholders if config.image_token_id < 0 else TokenPlaceholders
@@ -113,6 +135,7 @@ PROCESSORS: dict[type, Callable[[Any, dict | None], Processor]] = {
     InternViTLlavaConfig: SplitPlaceholders,
     MobileVLMConfig: SplitPlaceholders,
     InternVLConfig: Tiles,
+    Qwen2VLConfig: Grids,
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -45,6 +46,28 @@ def image_ids(n_tokens_per_image: int, segments: list) -> np.ndarray:
     for s in segments:
         out.extend([IMAGE_TOKEN] * n_tokens_per_image if s == "img" else [s])
     return np.asarray(out, np.int32)
+
+
+def word_tokenizer(words: list[str], specials: list[str]):
+    """A tiny whitespace word-level tokenizer: `words` take ids 0.., then the `specials` (added tokens);
+    "[UNK]" must be one of the words."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    return tok
+
+
+def with_field(config: dict, path: str, value) -> dict:
+    """A deep copy of a config dict with the field at dotted `path` ("vision_config.x") set to `value`."""
+    config = json.loads(json.dumps(config))
+    *parents, leaf = path.split(".")
+    target = config
+    for key in parents:
+        target = target[key]
+    target[leaf] = value
+    return config
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -25,4 +25,8 @@ def test_sizes_table_matches_the_published_models():
     assert rows["MobileVLM-V2-3B"][2] == f"{32 * 32 * 80 * 4 // 1024} KiB"
     # Slots per head: the whole prompt + new tokens, and LOOK-M's 20% of the prompt + new tokens.
     assert all(r[3].endswith(f"({1024 + 64})") and f"({int(0.2 * 1024) + 64}, " in r[4] for r in rows.values()), rows
-    assert len(rows) == 4
+    # Qwen/Qwen2-VL-7B-Instruct: 8.29 B parameters on its model card;
+    # 28 layers x 4 KV heads x 128; a 672 x 672 picture is 48 x 48 patches, merged 2 x 2: 576 tokens.
+    assert rows["Qwen2-VL-7B"][1] == "8.291 B" and rows["Qwen2-VL-7B"][2] == f"{28 * 4 * 128 * 4 // 1024} KiB"
+    assert [r[5] for r in rows.values()] == ["576", "576", "144", "576", "576"]
+    assert len(rows) == 5

@@ -21,6 +21,7 @@ from lookm_jax.convert.tables import CheckpointError
 from lookm_jax.models.config import ConfigError
 from lookm_jax.models.internvl import InternVLConfig, internvl_image_features
 from lookm_jax.models.internvl_processing import InternVLImageProcessorConfig, preprocess_tiles
+from tests.conftest import with_field, word_tokenizer
 
 FP32_TOL = 1e-4  # max abs logit difference (logits are O(50) here)
 TILE, PATCH, PER_TILE = 56, 7, 16
@@ -33,11 +34,7 @@ IMAGENET = {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.2
 
 
 def tiny_tokenizer():
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    tok = word_tokenizer(WORDS, SPECIALS)
     assert [tok.token_to_id(s) for s in SPECIALS[:3]] == [IMG_START, IMG_END, IMAGE_TOKEN]
     return tok
 
@@ -281,16 +278,6 @@ def hf_config_dict(tmp_path_factory):
     return json.loads((folder / "config.json").read_text())
 
 
-def _with(d, path, value):
-    d = json.loads(json.dumps(d))
-    *parents, leaf = path.split(".")
-    target = d
-    for key in parents:
-        target = target[key]
-    target[leaf] = value
-    return d
-
-
 REFUSED = [
     ("mystery_field", 1, "mystery_field"),
     ("vision_config.use_mean_pooling", False, "use_mean_pooling"),
@@ -316,11 +303,11 @@ def test_parsed_config(hf_config_dict):
 @pytest.mark.parametrize("path,value,named", REFUSED, ids=[r[0] for r in REFUSED])
 def test_unsupported_config_refused_naming_the_field(hf_config_dict, path, value, named):
     with pytest.raises(ConfigError, match=named):
-        InternVLConfig.from_hf(_with(hf_config_dict, path, value))
+        InternVLConfig.from_hf(with_field(hf_config_dict, path, value))
 
 
 def test_load_refuses_unsupported_config_folder(tmp_path, hf_config_dict):
-    (tmp_path / "config.json").write_text(json.dumps(_with(hf_config_dict, "vision_config.use_qk_norm_v2", True)))
+    (tmp_path / "config.json").write_text(json.dumps(with_field(hf_config_dict, "vision_config.use_qk_norm_v2", True)))
     with pytest.raises(ConfigError, match="use_qk_norm_v2"):
         lookm_jax.load(str(tmp_path))
 
