@@ -15,7 +15,7 @@ from lookm_jax import chat_cli
 from lookm_jax.cli_args import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, HelpFormatter, add_method_arguments,
                                 add_prompt_arguments, check_image_markers, default_images, int_at_least,
                                 method_from_args, path_arg, read_prompt)
-from lookm_jax.errors import InputError
+from lookm_jax.errors import PARAM_DTYPES, InputError
 
 # Command groups: `lookm eval NAME ...`, `lookm plot NAME ...`. Each module listed defines
 # `add_parser(subparsers)`, adding its command with `set_defaults(func=...)`; modules keep heavy
