@@ -54,5 +54,6 @@ def qwen2_vl_vision_params(config: Qwen2VLConfig, tensors: dict[str, np.ndarray]
     """Pop the tower and the merger -> {"vision": ..., "projector": ...}."""
     return {
         "vision": apply_table(tensors, VISION_TABLE, "vision.", config.vision.depth, vision_shapes(config), dtype),
-        "projector": apply_table(tensors, MERGER_TABLE, "vision.", 0, merger_shapes(config), dtype),
+        "projector": apply_table(tensors, MERGER_TABLE, "vision.", 0, merger_shapes(config), dtype,
+                                 placed_as="projector."),  # the merger's tensors sit under the tower's prefix
     }

@@ -287,10 +287,12 @@ def table_jobs(tensors, table, prefix: str, num_layers: int, shapes: dict, skip:
 
 
 def apply_table(tensors: dict[str, np.ndarray], table, prefix: str, num_layers: int,
-                shapes: dict[str, tuple[int, ...]], dtype, skip: tuple[str, ...] = ()) -> dict:
+                shapes: dict[str, tuple[int, ...]], dtype, skip: tuple[str, ...] = (),
+                placed_as: str | None = None) -> dict:
     """Take every row's tensors out of `tensors` (`table_jobs`) and build our nested params, each
     row's layers written into one stacked array of `dtype` (None: its first tensor's own dtype); a
-    `Source` gets each finished row through its `place`. A `ShapesOnly` dry run: each row's
+    `Source` gets each finished row through its `place`, named `placed_as` (our params' prefix, when
+    it is not the checkpoint's `prefix`) + the row's name. A `ShapesOnly` dry run: each row's
     expected shape, nothing read."""
     params: dict = {}
     if isinstance(tensors, ShapesOnly):
@@ -307,5 +309,6 @@ def apply_table(tensors: dict[str, np.ndarray], table, prefix: str, num_layers: 
         del piece  # before `place`: the row is all that is left of it
         if index is None or index == num_layers - 1:
             value = rows.pop(ours)
-            set_path(params, ours, tensors.place(prefix + ours, value) if isinstance(tensors, Source) else value)
+            name = (prefix if placed_as is None else placed_as) + ours
+            set_path(params, ours, tensors.place(name, value) if isinstance(tensors, Source) else value)
     return params
