@@ -217,36 +217,33 @@ def demo_vision_init(hf_config: dict, seed: int = DEMO_SEED) -> dict:
     return store.unflatten(flat)
 
 
-def read_demo_vision(path: str = DEMO_VISION_WEIGHTS) -> dict:
-    """The shipped, trained tower + projector ({"vision": ..., "projector": ...})."""
+def _read_demo_weights(path: str, what: str, command: str) -> dict[str, np.ndarray]:
+    """A shipped or exported demo weights file's flat tensors; FileNotFoundError naming `what` and the
+    `command` that trains them, ValueError for a file safetensors cannot read."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"the demo's trained vision weights are missing: {path} "
-                                "(reinstall lookm-jax, or train them with `lookm train vision`)")
+        raise FileNotFoundError(f"the demo's {what} are missing: {path} (reinstall lookm-jax, or train them "
+                                f"with `{command}`)")
     try:
-        return store.unflatten(load_file(path))
+        return load_file(path)
     except (SafetensorError, OSError) as err:
         raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
+
+
+def read_demo_vision(path: str = DEMO_VISION_WEIGHTS) -> dict:
+    """The shipped, trained tower + projector ({"vision": ..., "projector": ...})."""
+    return store.unflatten(_read_demo_weights(path, "trained vision weights", "lookm train vision"))
 
 
 def read_demo_adapters(path: str, text_params: dict):
     """Adapters exported by `lookm train decoder` (`decoder.export_adapters`: b already scaled), checked
     against runtime text params; ValueError naming the first tensor that does not fit."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
     from lookm_jax.train import adapters
 
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"the demo's decoder adapters are missing: {path} "
-                                "(reinstall lookm-jax, or train them with `lookm train decoder`)")
-    try:
-        flat = {k: v.astype(np.float32) for k, v in load_file(path).items()}
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
-    return adapters.unflatten(flat, text_params)
+    flat = _read_demo_weights(path, "decoder adapters", "lookm train decoder")
+    return adapters.unflatten({k: v.astype(np.float32) for k, v in flat.items()}, text_params)
 
 
 def _vision_params(vision: str, hf_config: dict) -> dict:

@@ -22,7 +22,6 @@ a pure function of (seed, s), so a killed and resumed run equals an uninterrupte
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from typing import Callable, ClassVar
@@ -37,7 +36,7 @@ from lookm_jax.checks import is_real
 from lookm_jax.models import llama, llava
 from lookm_jax.train import adapters as lora
 from lookm_jax.train import replay, tower
-from lookm_jax.train.runs import (LOG, arrays_of, jit_step, load_checkpoint, save_checkpoint, truncate_log,
+from lookm_jax.train.runs import (LOG, arrays_of, end_step, jit_step, load_checkpoint, save_checkpoint, truncate_log,
                                   write_atomic)
 from lookm_jax.train.data import Batch, BatchSpec, Encoder, single_picture_spec
 from lookm_jax.train.vision import embedded_answer_metrics
@@ -273,14 +272,9 @@ def train(model, config: DecoderConfig, output: str, *, batch_fn: Callable[[int]
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", acc=f"{record['accuracy']:.2f}", kl=f"{record['replay_kl']:.4f}",
                         tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
-        if held_out is not None and (step % config.eval_every == 0 or step == config.steps):
-            record.update(held_out(metrics, token_accuracy, trainable, frozen))
-            bar.write(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in record.items() if k != "step"))
-        if step % config.checkpoint_every == 0 or step == last:
-            save_checkpoint(output, step, trainable, opt_state, config)
-        record["seconds"] = round(time.perf_counter() - start, 2)
-        log.write(json.dumps(record) + "\n")
-        log.flush()
+        end_step(log, bar, record, config, last, start,
+                 None if held_out is None else lambda: held_out(metrics, token_accuracy, trainable, frozen),
+                 lambda: save_checkpoint(output, step, trainable, opt_state, config))
     bar.close()
     log.close()
     return jax.device_get(trainable)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 
 from typing import Callable
 
@@ -33,6 +34,22 @@ def jit_step(objective: Callable, tx: optax.GradientTransformation) -> Callable:
         return optax.apply_updates(trainable, updates), opt_state, loss, metrics
 
     return jax.jit(step, donate_argnums=(0, 1))
+
+
+def end_step(log, bar, record: dict, config, last: int, start: float, evaluate: Callable[[], dict] | None,
+             save: Callable[[], None]) -> None:
+    """What each step of a run ends with: the held-out `evaluate()` every `config.eval_every` steps and at
+    the run's last (printed, into `record`), `save()` every `config.checkpoint_every` steps and at this
+    call's `last`, and `record` with its elapsed seconds since `start` appended to `log`."""
+    step = record["step"]
+    if evaluate is not None and (step % config.eval_every == 0 or step == config.steps):
+        record.update(evaluate())
+        bar.write(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in record.items() if k != "step"))
+    if step % config.checkpoint_every == 0 or step == last:
+        save()
+    record["seconds"] = round(time.perf_counter() - start, 2)
+    log.write(json.dumps(record) + "\n")
+    log.flush()
 
 
 def arrays_of(batch) -> dict:

@@ -31,7 +31,7 @@ from lookm_jax.checks import is_real
 from lookm_jax.models import llama, llava
 from lookm_jax.train.data import Batch, BatchSpec, Encoder, single_picture_spec
 from lookm_jax.train import tower
-from lookm_jax.train.runs import CHECKPOINT, LOG, arrays_of, jit_step, load_checkpoint, save_checkpoint, truncate_log, write_atomic
+from lookm_jax.train.runs import CHECKPOINT, LOG, arrays_of, end_step, jit_step, load_checkpoint, save_checkpoint, truncate_log, write_atomic
 
 # Records written to LOG before stage 1's first step, each keyed by one of these: stage 0's steps
 # (`tower.pretrain`) and the anchor head's fit on a starting tower (`tower.fit_head`).
@@ -260,14 +260,9 @@ def train(model, config: TrainConfig, output: str, *, trainable: dict | None = N
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['accuracy']:.2f}",
                         tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
-        if held_out is not None and (step % config.eval_every == 0 or step == config.steps):
-            record.update(held_out(metrics, trainable, text_params))
-            bar.write(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in record.items() if k != "step"))
-        if step % config.checkpoint_every == 0 or step == last:
-            save_checkpoint(output, step, trainable, opt_state, config)
-        record["seconds"] = round(time.perf_counter() - start, 2)
-        log.write(json.dumps(record) + "\n")
-        log.flush()
+        end_step(log, bar, record, config, last, start,
+                 None if held_out is None else lambda: held_out(metrics, trainable, text_params),
+                 lambda: save_checkpoint(output, step, trainable, opt_state, config))
     bar.close()
     log.close()
     return jax.device_get(trainable)
