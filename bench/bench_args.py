@@ -23,7 +23,7 @@ def json_path(text: str) -> str:
 
 def kept_fraction(text: str) -> float:
     """A LOOK-M budget: a kept fraction in (0, 1], refused as `get_method` refuses it."""
-    from lookm_jax.methods import get_method
+    from lookm_jax.compression.methods import get_method
 
     try:
         value = float(text)

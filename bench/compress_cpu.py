@@ -77,7 +77,7 @@ def build_prompt(model, length: int) -> tuple[np.ndarray, np.ndarray]:
 
 def recomputed_scores(method):
     """`method` scored by the standalone scorer instead of the prefill attention's statistics."""
-    from lookm_jax.methods import Method
+    from lookm_jax.compression.methods import Method
 
     @dataclasses.dataclass(frozen=True)
     class RecomputedScores(Method):

@@ -12,6 +12,6 @@ from lookm_jax import chat  # chat.Conversation: turns rendered with the chat te
 
 
 # compression core
-from lookm_jax.scoring import attention_scores
-from lookm_jax.compress import compress_kv, CompressedKV
-from lookm_jax.methods import get_method, METHODS
+from lookm_jax.compression.scoring import attention_scores
+from lookm_jax.compression.compress import compress_kv, CompressedKV
+from lookm_jax.compression.methods import get_method, METHODS

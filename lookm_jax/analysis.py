@@ -15,7 +15,7 @@ import numpy as np
 
 from lookm_jax import generate as gen, inputs
 from lookm_jax.models import llama, llava
-from lookm_jax.scoring import SUMS, scores_from_stats
+from lookm_jax.compression.scoring import SUMS, scores_from_stats
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -91,7 +91,7 @@ def merge_traffic(model, input_ids, pixel_values, attention_mask, method) -> dic
     """
     import dataclasses
 
-    from lookm_jax import merge
+    from lookm_jax.compression import merge
 
     if getattr(method, "merge", None) is None:
         raise ValueError(f"merge_traffic needs a merging LOOK-M method, got {method}")

@@ -113,7 +113,7 @@ def _generate_after_compression(args, model, prompt: str, images: list) -> int:
 
 
 def cmd_methods(args) -> int:
-    from lookm_jax.methods import METHODS, ScorerMethod, method_class, parameters
+    from lookm_jax.compression.methods import METHODS, ScorerMethod, method_class, parameters
 
     for name in METHODS:
         cls = method_class(name)

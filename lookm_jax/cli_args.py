@@ -86,7 +86,7 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
 def method_from_args(args):
     """The method the arguments name; every option given reaches `get_method`, which refuses what
     the method does not take (e.g. a budget for `full`)."""
-    from lookm_jax.methods import get_method
+    from lookm_jax.compression.methods import get_method
 
     given = {"budget": args.budget, "alpha_recent": args.alpha_recent, "alpha_important": args.alpha_important,
              "merge": args.merge}

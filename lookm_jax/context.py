@@ -26,7 +26,7 @@ import numpy as np
 from lookm_jax import generate as gen, inputs
 from lookm_jax.cache import KVCache, kept_by_modality
 from lookm_jax.errors import InputError
-from lookm_jax.methods import Method, get_method
+from lookm_jax.compression.methods import Method, get_method
 
 
 

@@ -1,7 +1,7 @@
 """The errors a caller sees for an input the library refuses.
 
 Inputs are checked once, where they enter: the `Model` API (`lookm_jax.inputs`), method
-construction (`lookm_jax.methods`) and the `lookm` command. Each message names the value as it
+construction (`lookm_jax.compression.methods`) and the `lookm` command. Each message names the value as it
 was given and the range that is accepted; the CLI prints it as one line and exits 2.
 """
 

@@ -28,7 +28,7 @@ from lookm_jax.checks import is_real
 from lookm_jax.errors import InputError, PromptTooLongError
 from lookm_jax.models import llama, llava
 from lookm_jax.models.config import LlamaConfig, LlavaConfig
-from lookm_jax.models.layers import first_max
+from lookm_jax.reductions import first_max
 from lookm_jax.sharding import constrain_cache
 
 # Static prompt lengths: powers of two and the midpoints between them, so padding wastes < 1/3.
@@ -250,7 +250,7 @@ def prefill_states(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax.
     """Encode a right-padded prompt once and keep its uncompressed per-layer K/V.
 
     input_ids/valid [B, L_bucket], pixel_values [n_images, C, H, W] or None. Static: cfg, statistics
-    (names from `lookm_jax.scoring.STATISTICS`, accumulated by the prefill attention as in `prefill`),
+    (names from `lookm_jax.compression.scoring.STATISTICS`, accumulated by the prefill attention as in `prefill`),
     window (W, the last queries kept per row; `query_window` says what a method needs), sampling.
     """
     x, is_image = llava.embed(cfg, params, input_ids, pixel_values)

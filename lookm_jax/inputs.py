@@ -174,7 +174,7 @@ def pixel_values(config, dtype, ids: np.ndarray, valid: np.ndarray, pixels) -> j
 def prepare(model, input_ids, pixels, attention_mask, max_new_tokens: int, methods: Sequence,
             ignore_context_limit: bool = False) -> Prompt:
     """Check a generation request against `model` and `methods`, and pack it into its bucket."""
-    from lookm_jax.methods import Method
+    from lookm_jax.compression.methods import Method
 
     check_max_new_tokens(max_new_tokens)
     for method in methods:

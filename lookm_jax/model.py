@@ -22,7 +22,7 @@ from lookm_jax import context as ctx_mod, generate as gen, inputs, sharding
 from lookm_jax.cache import kept_by_modality
 from lookm_jax.checks import as_int
 from lookm_jax.errors import InputError
-from lookm_jax.methods import get_method
+from lookm_jax.compression.methods import get_method
 from lookm_jax.models import llama, llava, processors
 from lookm_jax.models.config import LlamaConfig, LlavaConfig
 

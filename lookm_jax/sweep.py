@@ -18,7 +18,7 @@ from lookm_jax import generate as gen, inputs
 from lookm_jax.cache import KVCache
 from lookm_jax.checks import is_int_at_least
 from lookm_jax.errors import InputError
-from lookm_jax.scoring import STATISTICS
+from lookm_jax.compression.scoring import STATISTICS
 
 
 def generate_methods(model, input_ids, pixel_values=None, attention_mask=None, max_new_tokens: int = 32, *,

@@ -31,7 +31,7 @@ import numpy as np
 from lookm_jax.cache import KVCache
 from lookm_jax.models.config import LlamaConfig, RopeConfig
 from lookm_jax.models.layers import rms_norm
-from lookm_jax.scoring import column_stats_of_block
+from lookm_jax.compression.scoring import column_stats_of_block
 
 # Query block of the prefill attention: scores are [B, Hq, block, <=L], never [B, Hq, L, L].
 ATTENTION_BLOCK = 256
@@ -166,7 +166,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
     program's size does not depend on L, and memory is O(L x block): one block's
     [B, Hq, block, <= L] probabilities at a time.
 
-    ``statistics`` (static; names from ``lookm_jax.scoring.STATISTICS``) are accumulated from the
+    ``statistics`` (static; names from ``lookm_jax.compression.scoring.STATISTICS``) are accumulated from the
     same softmax rows over the valid queries, which is all that eq. 4 scoring needs: a method that
     declares them costs no second attention pass. Returns (out [B, Hq, L, D],
     {name: [B, Hkv, G, L] fp32}), the dict empty when no statistics are asked for.

@@ -135,7 +135,7 @@ def test_methods_lists_every_method_with_parameters_and_defaults(capsys):
     out = capsys.readouterr().out
     for name in lookm_jax.METHODS:
         assert f"\n{name}: " in f"\n{out}"
-        for param, default in lookm_jax.methods.parameters(name).items():
+        for param, default in lookm_jax.compression.methods.parameters(name).items():
             assert f"    {param} = {default!r}" in out
     assert "merge = 'pivotal'" in out and "window = 32" in out
 

@@ -22,11 +22,11 @@ import reference_lookm as ref
 from conftest import image_ids
 from lookm_jax import METHODS, generate as gen, get_method
 from lookm_jax.cli_args import DEFAULT_IMAGES
-from lookm_jax.methods import ScorerMethod
+from lookm_jax.compression.methods import ScorerMethod
 from method_variants import DEFAULTS, VARIANTS, build, ids
 from lookm_jax.models import llama
 from lookm_jax.models.image_processing import CLIPImageProcessorConfig, preprocess_images
-from lookm_jax.scoring import STATISTICS, column_stats, mean_std_from_stats, scores_from_stats
+from lookm_jax.compression.scoring import STATISTICS, column_stats, mean_std_from_stats, scores_from_stats
 
 # On the (slower) demo model: every method and every merge mode; every variant on tiny.
 DEMO_CONFIGS = DEFAULTS + [v for v in VARIANTS if set(v[1]) == {"merge"} and v[1]["merge"] is not None]

@@ -40,7 +40,7 @@ def test_cached_decode_equals_full_forward(model, rng):
 
 def test_decode_step_logits_equal_full_forward(model, rng):
     """Logits of one cached decode step equal the full forward's last-position logits."""
-    from lookm_jax.methods import get_method
+    from lookm_jax.compression.methods import get_method
     from lookm_jax.models import llama
 
     cfg = model.text_config

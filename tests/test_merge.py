@@ -94,10 +94,10 @@ def test_weighted_negative_cosine_subtracts_the_evicted_pair():
 
 
 def test_assignment_picks_the_first_of_tied_slots_like_argmax():
-    """`layers.first_max` (two plain reductions instead of XLA:CPU's slow argmax) returns
+    """`reductions.first_max` (two plain reductions instead of XLA:CPU's slow argmax) returns
     jnp.argmax's index, the lowest of tied slots, and the maximum; a row with no kept slot (all
     -inf) gets slot 0 as argmax does."""
-    from lookm_jax.models.layers import first_max
+    from lookm_jax.reductions import first_max
 
     rng = np.random.default_rng(0)
     x = rng.integers(0, 4, (64, 9)).astype(np.float32)  # many ties

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 
 import reference_lookm as ref
 from lookm_jax import METHODS, get_method
-from lookm_jax.methods import LookM, ScorerMethod
+from lookm_jax.compression.methods import LookM, ScorerMethod
 from method_variants import DEFAULTS, VARIANTS, build, ids
 
 L = 24

@@ -18,8 +18,8 @@ from conftest import IMAGE_TOKEN, image_ids
 from lookm_jax import KVCache, generate as gen, get_method, sweep
 from lookm_jax.errors import InputError
 from lookm_jax.eval import harness, needle
-from lookm_jax.methods import Method
-from lookm_jax.scoring import STATISTICS
+from lookm_jax.compression.methods import Method
+from lookm_jax.compression.scoring import STATISTICS
 
 # Every kind of input a method reads: the last W = M queries (SnapKV as LOOK-M ran it), two
 # statistics (RoCo), sums + merging without text-prior (LOOK-M). Equal capacity (24 slots).

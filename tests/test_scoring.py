@@ -12,7 +12,7 @@ from hypothesis import given, settings
 
 import reference_lookm as ref
 from lookm_jax import attention_scores, get_method
-from lookm_jax.scoring import attention_mean_std, window_scores
+from lookm_jax.compression.scoring import attention_mean_std, window_scores
 
 
 @pytest.mark.parametrize("hkv", [1, 2, 4])

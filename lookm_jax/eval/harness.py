@@ -52,7 +52,7 @@ class SweepConfig:
         return f"LOOK-M ({prior}, {'no merge' if self.merge == 'none' else self.merge})"
 
     def build(self):
-        from lookm_jax.methods import get_method
+        from lookm_jax.compression.methods import get_method
 
         if self.method == "full":
             return get_method("full")
@@ -65,7 +65,7 @@ class SweepConfig:
 def sweep_configs(methods, budgets) -> list[SweepConfig]:
     """The full cache once, then every other method at every budget; "lookm" expands to its 8
     variants (text-prior on/off x merge none/averaged/pivotal/weighted)."""
-    from lookm_jax.methods import METHODS
+    from lookm_jax.compression.methods import METHODS
 
     unknown = set(methods) - set(METHODS)
     if unknown:

@@ -274,7 +274,7 @@ def add_parser(subparsers) -> None:
 
 def cmd_needle(args) -> int:
     import lookm_jax
-    from lookm_jax.methods import METHODS
+    from lookm_jax.compression.methods import METHODS
 
     suffix = "-text" if args.text_only else ""
     jsonl = args.jsonl or os.path.join("results", "needle", f"{args.mode}{suffix}.jsonl")

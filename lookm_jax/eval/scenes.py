@@ -236,7 +236,7 @@ def add_parser(subparsers) -> None:
 
 def cmd_scenes(args) -> int:
     import lookm_jax
-    from lookm_jax.methods import METHODS
+    from lookm_jax.compression.methods import METHODS
 
     asked = ASKED[1] if args.ask_after_compression else ASKED[0]
     jsonl = args.jsonl or os.path.join("results", "scenes", f"{args.mode}.jsonl")

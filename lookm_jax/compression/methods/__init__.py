@@ -6,13 +6,13 @@ import dataclasses
 
 from lookm_jax.checks import is_real
 from lookm_jax.errors import InputError
-from lookm_jax.methods.base import Method, ScorerMethod
-from lookm_jax.methods.full import Full
-from lookm_jax.methods.h2o import H2O
-from lookm_jax.methods.lookm import LookM
-from lookm_jax.methods.roco import RoCo
-from lookm_jax.methods.snapkv import SnapKV
-from lookm_jax.methods.streamingllm import StreamingLLM
+from lookm_jax.compression.methods.base import Method, ScorerMethod
+from lookm_jax.compression.methods.full import Full
+from lookm_jax.compression.methods.h2o import H2O
+from lookm_jax.compression.methods.lookm import LookM
+from lookm_jax.compression.methods.roco import RoCo
+from lookm_jax.compression.methods.snapkv import SnapKV
+from lookm_jax.compression.methods.streamingllm import StreamingLLM
 
 _REGISTRY: dict[str, type[Method]] = {
     "full": Full,

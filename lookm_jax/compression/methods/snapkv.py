@@ -7,9 +7,9 @@ import math
 
 from lookm_jax.checks import is_int_at_least
 from lookm_jax.errors import InputError
-from lookm_jax.methods.base import ScorerMethod, smallest_fraction
-from lookm_jax.scoring import window_scores
-from lookm_jax.select import recent_mask
+from lookm_jax.compression.methods.base import ScorerMethod, smallest_fraction
+from lookm_jax.compression.scoring import window_scores
+from lookm_jax.compression.select import recent_mask
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,8 @@ import numpy as np
 
 from lookm_jax.checks import is_int_at_least, is_real
 from lookm_jax.errors import InputError
-from lookm_jax.merge import MERGES, merge_evicted
-from lookm_jax.select import PROPORTIONAL, select_slots
+from lookm_jax.compression.merge import MERGES, merge_evicted
+from lookm_jax.compression.select import PROPORTIONAL, select_slots
 
 MERGE_SCOPES = ("any", "same_modality")
 
@@ -42,9 +42,9 @@ class SelectionSpec:
     similarity_filter: merge only evicted tokens whose best cosine passes the row mean (needs merge).
     keep_all_text: keep every text token even beyond N (needs text_prior).
     image_quota: None, a fraction in [0, 1] or "proportional": ranked slots reserved for the best
-      image tokens (`lookm_jax.select`).
+      image tokens (`lookm_jax.compression.select`).
     merge_scope: "any" (the paper's) or "same_modality": an evicted pair merges only into a kept
-      slot of its own modality (`lookm_jax.merge`).
+      slot of its own modality (`lookm_jax.compression.merge`).
     """
 
     text_prior: bool = False
@@ -111,8 +111,8 @@ def compress_kv(
     """Compress a prompt cache to a static number of slots per KV head (LOOK-M eq. 5-12).
 
     Keeps, per row and head, the last M valid tokens and the top N of the rest by ``scores``
-    (rules and deterministic tie-breaking in ``lookm_jax.select``), then optionally merges every
-    evicted pair into its most similar kept pair (``lookm_jax.merge``).
+    (rules and deterministic tie-breaking in ``lookm_jax.compression.select``), then optionally merges every
+    evicted pair into its most similar kept pair (``lookm_jax.compression.merge``).
 
     Args:
       keys: [B, Hkv, L, D]; values: [B, Hkv, L, Dv]; scores: [B, Hkv, L] (e.g. ``attention_scores``).

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from lookm_jax.checks import is_int_at_least, is_real
-from lookm_jax.compress import CompressedKV, SelectionSpec, compress_kv
+from lookm_jax.compression.compress import CompressedKV, SelectionSpec, compress_kv
 from lookm_jax.errors import InputError
-from lookm_jax.scoring import column_stats
+from lookm_jax.compression.scoring import column_stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Method(abc.ABC):
     returns a ``CompressedKV`` of that capacity. Pure and traceable with static shapes.
 
     ``statistics`` (a class constant, so static) names the column statistics of the prompt's
-    causal attention that the method ranks by (``lookm_jax.scoring.STATISTICS``). The prefill
+    causal attention that the method ranks by (``lookm_jax.compression.scoring.STATISTICS``). The prefill
     accumulates exactly those while it attends and passes them as ``stats``
     ({name: [B, Hkv, G, L] fp32}, G = Hq // Hkv); methods that declare none ignore ``stats``.
     """

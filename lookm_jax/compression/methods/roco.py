@@ -6,8 +6,8 @@ import dataclasses
 
 from lookm_jax.checks import is_real
 from lookm_jax.errors import InputError
-from lookm_jax.methods.base import ScorerMethod
-from lookm_jax.scoring import STATISTICS, mean_std_from_stats
+from lookm_jax.compression.methods.base import ScorerMethod
+from lookm_jax.compression.scoring import STATISTICS, mean_std_from_stats
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,8 +6,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from lookm_jax.compress import CompressedKV
-from lookm_jax.methods.base import Method
+from lookm_jax.compression.compress import CompressedKV
+from lookm_jax.compression.methods.base import Method
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from lookm_jax.methods.base import ScorerMethod
-from lookm_jax.scoring import SUMS, scores_from_stats
+from lookm_jax.compression.methods.base import ScorerMethod
+from lookm_jax.compression.scoring import SUMS, scores_from_stats
 
 
 @dataclasses.dataclass(frozen=True)

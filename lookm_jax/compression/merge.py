@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lookm_jax.models.layers import first_max
-from lookm_jax.select import per_head
+from lookm_jax.reductions import first_max
+from lookm_jax.compression.select import per_head
 
 MERGES = ("averaged", "pivotal", "weighted")
 

@@ -6,10 +6,10 @@ import dataclasses
 import math
 
 from lookm_jax.checks import is_real
-from lookm_jax.compress import SelectionSpec
+from lookm_jax.compression.compress import SelectionSpec
 from lookm_jax.errors import InputError
-from lookm_jax.methods.base import ScorerMethod
-from lookm_jax.scoring import SUMS, scores_from_stats
+from lookm_jax.compression.methods.base import ScorerMethod
+from lookm_jax.compression.scoring import SUMS, scores_from_stats
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,8 +6,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from lookm_jax.compress import SelectionSpec
-from lookm_jax.methods.base import ScorerMethod
+from lookm_jax.compression.compress import SelectionSpec
+from lookm_jax.compression.methods.base import ScorerMethod
 
 
 @dataclasses.dataclass(frozen=True)

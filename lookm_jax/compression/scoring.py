@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lookm_jax.select import count_from_end
+from lookm_jax.compression.select import count_from_end
 
 _NEG = float(jnp.finfo(jnp.float32).min)  # finite mask value: an all-masked row gives no NaN
 
