@@ -12,6 +12,8 @@ SmolLM2 layers, 576-4160 slots); the values' mix contracts S and is fastest as [
 Slots [0, cursor) hold the (possibly compressed) prompt; decode appends at `cursor`. A slot is valid
 iff its `positions` entry is >= 0, so padding, evicted and not-yet-written slots never get attended.
 Compression keeps different slots per layer and KV head, hence positions per [layer, row, head].
+A size-aware merge also stores each slot's log(tokens merged into it), added to the slot's logit at
+every later query (`attend_bias`); other caches store none, so their programs are unchanged.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class KVCache:
     layer_positions: tuple[jax.Array, ...]  # N x [B, Hkv, S] int32 original token position, -1 = empty slot
     cursor: jax.Array  # [] int32, next slot decode writes (shared by all rows)
     next_position: jax.Array  # [B] int32, RoPE position of each row's next token
+    layer_log_counts: tuple[jax.Array, ...] | None = None  # N x [B, Hkv, S] fp32, 0 = one token; None: all 0
 
     @property
     def num_layers(self) -> int:
@@ -57,26 +60,33 @@ class KVCache:
 
     @classmethod
     def from_prompt(cls, keys: jax.Array, values: jax.Array, positions: jax.Array, next_position: jax.Array,
-                    max_new_tokens: int) -> "KVCache":
+                    max_new_tokens: int, log_counts: jax.Array | None = None) -> "KVCache":
         """Write every layer's (compressed) prompt slots into a cache with room for the new tokens.
 
         keys/values [N, B, Hkv, P, D] and positions [N, B, Hkv, P] (as the prompt encoder's layer
         loop stacks them), next_position [B]: each row's first new RoPE position (its prompt length;
         M-RoPE's max prompt position + 1). Decode writes a token's RoPE position as its slot's position
-        (only its sign, valid, is read after the prompt). Capacity P + max_new_tokens,
-        cursor P.
+        (only its sign, valid, is read after the prompt). log_counts [N, B, Hkv, P] of a size-aware
+        merge, or None. Capacity P + max_new_tokens, cursor P.
         """
         slots = ((0, 0),) * 2 + ((0, max_new_tokens),)
         n = keys.shape[0]
         return cls(layer_keys=tuple(jnp.pad(keys[i], slots + ((0, 0),)).swapaxes(-1, -2) for i in range(n)),
                    layer_values=tuple(jnp.pad(values[i], slots + ((0, 0),)) for i in range(n)),
                    layer_positions=tuple(jnp.pad(positions[i], slots, constant_values=-1) for i in range(n)),
-                   cursor=jnp.asarray(keys.shape[3], jnp.int32), next_position=next_position.astype(jnp.int32))
+                   cursor=jnp.asarray(keys.shape[3], jnp.int32), next_position=next_position.astype(jnp.int32),
+                   layer_log_counts=None if log_counts is None else tuple(
+                       jnp.pad(log_counts[i], slots) for i in range(n)))
 
     def layer(self, index: int) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Layer `index` (static): keys [B, Hkv, D, S], values [B, Hkv, S, D] and the valid-slot mask
         [B, Hkv, S]."""
         return self.layer_keys[index], self.layer_values[index], self.layer_positions[index] >= 0
+
+    def attend_bias(self, index: int) -> jax.Array | None:
+        """Layer `index`'s (static) additive logits per slot [B, Hkv, S]: log(tokens merged into the
+        slot), or None when no slot holds more than one (the attention adds nothing)."""
+        return None if self.layer_log_counts is None else self.layer_log_counts[index]
 
     def append(self, index: int, k: jax.Array, v: jax.Array, after: jax.Array) -> "KVCache":
         """Write one token's k/v [B, Hkv, 1, D] of layer `index` (static) at the cursor, at each
@@ -117,9 +127,11 @@ class KVCache:
     def grow(self, slots: int) -> "KVCache":
         """The same cache with `slots` (static) more empty slots at the end of every layer (a copy)."""
         pad = ((0, 0), (0, 0), (0, slots))
+        log_counts = self.layer_log_counts
         return self.replace(layer_keys=tuple(jnp.pad(k, pad[:2] + ((0, 0),) + pad[2:]) for k in self.layer_keys),
                             layer_values=tuple(jnp.pad(v, pad + ((0, 0),)) for v in self.layer_values),
-                            layer_positions=tuple(jnp.pad(p, pad, constant_values=-1) for p in self.layer_positions))
+                            layer_positions=tuple(jnp.pad(p, pad, constant_values=-1) for p in self.layer_positions),
+                            layer_log_counts=None if log_counts is None else tuple(jnp.pad(c, pad) for c in log_counts))
 
     def truncate_rows(self, ends: jax.Array) -> "KVCache":
         """Row b keeps its slots below ends[b] [B]; its written slots from there to the cursor are
@@ -135,13 +147,16 @@ class KVCache:
         if len({c.capacity for c in caches}) != 1 or len({int(c.cursor) for c in caches}) != 1:
             raise ValueError(f"caches need equal capacity and cursor to share a decode, got capacities "
                              f"{[c.capacity for c in caches]} and cursors {[int(c.cursor) for c in caches]}")
+        if len({c.layer_log_counts is None for c in caches}) != 1:
+            raise ValueError("caches with and without size-aware slots cannot share a decode")
 
         def rows(field):
             return tuple(jnp.concatenate(layer) for layer in zip(*(getattr(c, field) for c in caches)))
 
         return KVCache(layer_keys=rows("layer_keys"), layer_values=rows("layer_values"),
                        layer_positions=rows("layer_positions"), cursor=caches[0].cursor,
-                       next_position=jnp.concatenate([c.next_position for c in caches]))
+                       next_position=jnp.concatenate([c.next_position for c in caches]),
+                       layer_log_counts=None if caches[0].layer_log_counts is None else rows("layer_log_counts"))
 
 
 @jax.jit

@@ -115,31 +115,32 @@ def _compressed_prompt(cfg, params, input_ids, valid, pixel_values, method, room
 
     def compress(q, k, v, stats):  # one layer, inside the layer loop: [B, Hkv, kept, D] slots
         kept = method(q, k, v, is_image, valid, stats=stats)
-        return kept.keys.astype(k.dtype), kept.values.astype(v.dtype), kept.positions
+        return kept.keys.astype(k.dtype), kept.values.astype(v.dtype), kept.positions, kept.log_counts
 
     positions, next_position = llava.rope_positions(cfg, input_ids, valid, pixel_values)  # [(3,) B, L], [B]
     h, kept = llama.encode(llava.text_config(cfg), params["text"], x, valid, method.statistics, compress, positions)
-    cache = constrain_cache(KVCache.from_prompt(*kept, next_position, room))  # placed as on the mesh, if any
+    keys, values, kept_positions, log_counts = kept  # [N, B, Hkv, kept(, D)]
+    cache = constrain_cache(  # placed as on the mesh, if any
+        KVCache.from_prompt(keys, values, kept_positions, next_position, room, log_counts))
     return h, cache, is_image
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "room", "sampling"))
 def prefill_question(cfg: LlamaConfig, params: dict, cache: KVCache, question_ids: jax.Array, valid: jax.Array,
-                     key: jax.Array, *, room: int, sampling: Sampling,
-                     bias: tuple[jax.Array, ...] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+                     key: jax.Array, *, room: int, sampling: Sampling) -> tuple[jax.Array, jax.Array, KVCache]:
     """Prefill a question onto a (compressed) cache in one block, then pick the first answer token.
 
     question_ids/valid [B, Q_bucket] (right-padded text ids), cache: its cursor after the context
     (capacity >= cursor + Q_bucket after growing). Static: cfg (the text config), room (empty slots
     added at the end of the cache first: a copy, so `cache` stays valid for the next question),
     sampling; Q_bucket is the static shape of question_ids. The question attends to every valid
-    slot (`llama.encode_onto_cache`; bias: optional N x [B, Hkv, S + room] per-slot logits) and is
+    slot (`llama.encode_onto_cache`, size-aware slots with their log-counts) and is
     written after the context; nothing is evicted. Returns (first token [B], its logits [B, V] fp32,
     the cache with the question written, ready for `decode`).
     """
     cache = cache.grow(room) if room else cache
     x = llama.embed_tokens(params, question_ids)
-    h, cache = llama.encode_onto_cache(cfg, params, x, valid, cache, bias)
+    h, cache = llama.encode_onto_cache(cfg, params, x, valid, cache)
     logits = llama.lm_logits(params, last_valid(h, valid.sum(axis=1)))
     return sample(logits, jax.random.fold_in(key, 0), sampling), logits, cache
 
@@ -296,9 +297,10 @@ def compress_prefilled(prefilled: Prefilled, *, method, max_new_tokens: int) -> 
         queries = queries.at[rows, prefilled.window_positions].set(q_window.transpose(0, 2, 1, 3))
         kept = method(queries.transpose(0, 2, 1, 3), k, v, prefilled.is_image, prefilled.valid,
                       stats={name: stats[name] for name in method.statistics})
-        return None, (kept.keys.astype(k.dtype), kept.values.astype(v.dtype), kept.positions)
+        return None, (kept.keys.astype(k.dtype), kept.values.astype(v.dtype), kept.positions, kept.log_counts)
 
     layer_inputs = (prefilled.keys, prefilled.values, prefilled.stats, prefilled.window_queries)
     _, kept = jax.lax.scan(layer, None, layer_inputs)
-    return KVCache.from_prompt(*kept, prefilled.next_position, max_new_tokens)
+    keys, values, positions, log_counts = kept
+    return KVCache.from_prompt(keys, values, positions, prefilled.next_position, max_new_tokens, log_counts)
 

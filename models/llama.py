@@ -303,20 +303,20 @@ def decode_step(cfg: LlamaConfig, params: dict, x: jax.Array, cache: KVCache) ->
     h = x[:, None]  # [B, 1, H]
     for index, lp in enumerate(params["layers"]):
         q, k, v = project_qkv(cfg, lp, h, cos, sin)  # q [B, Hq, 1, D], k/v [B, Hkv, 1, D]
-        attn = attend_step(q, *cache.layer(index), k, v)
+        attn = attend_step(q, *cache.layer(index), k, v, bias=cache.attend_bias(index))
         cache = cache.append(index, k, v, after=attn.reshape(k.shape[:2] + (-1,) + k.shape[2:])[:, :, 0])
         h = finish_layer(cfg, lp, h, attn)
     return final_hidden(cfg, params, h[:, 0]), cache.advance()
 
 
-def encode_onto_cache(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array, cache: KVCache,
-                      bias: tuple[jax.Array, ...] | None = None) -> tuple[jax.Array, KVCache]:
+def encode_onto_cache(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array,
+                      cache: KVCache) -> tuple[jax.Array, KVCache]:
     """Encode a block of new tokens onto a cache in one pass (a question after a compressed context).
 
     x [B, Q, H] embeddings, right-padded, valid [B, Q]. Every layer's queries attend to every valid
     cache slot and causally to the block's valid tokens (`attend_step`); the block's k/v are written
     at slots [cursor, cursor + Q), at each row's next positions (padding as empty slots), so decode
-    continues after it. bias: optional N x [B, Hkv, S] additive logits per cache slot. Needs
+    continues after it. Size-aware slots add their log-count (`KVCache.attend_bias`). Needs
     cache.capacity >= cursor + Q. Returns (normed hidden [B, Q, H], cache advanced by Q slots and
     each row's valid count of positions).
     """
@@ -328,7 +328,7 @@ def encode_onto_cache(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.A
     h = x
     for index, lp in enumerate(params["layers"]):
         q, k, v = project_qkv(cfg, lp, h, cos, sin)  # q [B, Hq, Q, D], k/v [B, Hkv, Q, D]
-        attn = attend_step(q, *cache.layer(index), k, v, own_mask, None if bias is None else bias[index])
+        attn = attend_step(q, *cache.layer(index), k, v, own_mask, cache.attend_bias(index))
         cache = cache.write(index, k, v, written, after=attn.reshape(k.shape[:2] + (-1,) + k.shape[2:])[:, :, 0])
         h = finish_layer(cfg, lp, h, attn)
     return final_hidden(cfg, params, h), cache.advance(width, valid.sum(axis=1).astype(jnp.int32))

@@ -20,6 +20,7 @@ VARIANTS: list[tuple[str, dict]] = [(name, {}) for name in METHODS] + [
     ("lookm", {"keep_all_text": True, "merge": "pivotal"}),
     ("lookm", {"image_quota": 0.5, "merge": None}),
     ("lookm", {"image_quota": "proportional", "merge_scope": "same_modality"}),
+    ("lookm", {"merge": "averaged", "size_aware": True}),
 ]
 DEFAULTS = [v for v in VARIANTS if not v[1]]  # one per method, at its defaults
 

@@ -124,7 +124,7 @@ def merge(keys, values, kept, valid, mode, similarity_filter=False, is_image=Non
     """Eq. 9-12: fold each evicted pair into its most cosine-similar kept pair (same head).
 
     averaged: (k_c + sum k_e) / (1 + n); pivotal: (k_c + sum (k_e + k_c) / 2) / (1 + n);
-    weighted: (k_c + sum cos_e k_e) / (1 + n). Returns {(b, h): (kept_keys, kept_values)}.
+    weighted: (k_c + sum cos_e k_e) / (1 + n). Returns {(b, h): (kept_keys, kept_values, tokens per slot)}.
     With `is_image` [B, L], a pair merges only into a kept pair of its own modality (none: not merged).
     """
     out = {}
@@ -165,7 +165,7 @@ def merge(keys, values, kept, valid, mode, similarity_filter=False, is_image=Non
                     num_k[c] += cos * ke
                     num_v[c] += cos * ve
                 cnt[c] += 1
-            out[b, h] = (num_k / cnt[:, None], num_v / cnt[:, None])
+            out[b, h] = (num_k / cnt[:, None], num_v / cnt[:, None], cnt)
     return out
 
 
@@ -174,7 +174,8 @@ def budget(alpha, length):
 
 
 def run_method(name, params, q, k, v, is_image, valid):
-    """Reference of a registry method: {(b, h): (positions, keys, values)}."""
+    """Reference of a registry method: {(b, h): (positions, keys, values)}, and the slots' log token
+    counts last with size_aware."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     valid, is_image = np.asarray(valid), np.asarray(is_image)
     b_, h_, length, _ = k.shape
@@ -213,7 +214,9 @@ def run_method(name, params, q, k, v, is_image, valid):
         return {key: (pos, k[key[0], key[1], pos], v[key[0], key[1], pos]) for key, pos in kept.items()}
     same = params.get("merge_scope", "any") == "same_modality"
     merged = merge(k, v, kept, valid, mode, params.get("similarity_filter", False), is_image if same else None)
-    return {key: (pos, *merged[key]) for key, pos in kept.items()}
+    if params.get("size_aware", False):
+        return {key: (pos, *merged[key][:2], np.log(merged[key][2])) for key, pos in kept.items()}
+    return {key: (pos, *merged[key][:2]) for key, pos in kept.items()}
 
 
 # --- test inputs and comparison ------------------------------------------------------------------
@@ -233,10 +236,17 @@ def make_inputs(seed, *, batch=2, hq=4, hkv=2, length=24, dim=8, lengths=None, p
 
 
 def check_against(out, ref, atol=1e-5):
-    """A CompressedKV-like result agrees with a {(b, h): (positions, keys, values)} reference."""
+    """A CompressedKV-like result agrees with a {(b, h): (positions, keys, values[, log counts])}
+    reference; without log counts in the reference, the result has none either."""
     positions, mask = np.asarray(out.positions), np.asarray(out.mask)
     keys, values = np.asarray(out.keys), np.asarray(out.values)
-    for (b, h), (pos, kk, vv) in ref.items():
+    for (b, h), (pos, kk, vv, *log_counts) in ref.items():
+        if not log_counts:
+            assert out.log_counts is None
+        else:
+            counts = np.asarray(out.log_counts)
+            np.testing.assert_allclose(counts[b, h][mask[b, h]], log_counts[0], atol=atol, rtol=atol)
+            np.testing.assert_array_equal(counts[b, h][~mask[b, h]], 0)
         got = positions[b, h][mask[b, h]]
         np.testing.assert_array_equal(got, pos, err_msg=f"kept positions, row {b} head {h}")
         np.testing.assert_array_equal(positions[b, h][~mask[b, h]], -1)

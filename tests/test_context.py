@@ -14,6 +14,7 @@ import lookm_jax
 from conftest import image_ids
 from lookm_jax import generate as gen
 from lookm_jax.context import Context
+from lookm_jax.models import llama
 from lookm_jax.errors import InputError
 
 NEW = 6
@@ -150,10 +151,11 @@ def test_encode_chat_counts_every_image_once(llava, tiny_with_tokenizer):
         model.encode_chat(six, num_images=2)
 
 
-def test_a_per_slot_bias_shifts_the_question_s_attention(llava):
-    """`prefill_question`'s optional per-slot additive bias (N x [B, Hkv, S]): zeros change nothing;
-    a large negative bias on every context slot leaves the question attending to itself alone, as
-    on a cache with no context slot valid."""
+def test_a_per_slot_log_count_shifts_the_question_s_attention(llava):
+    """A cache's per-slot log-counts (N x [B, Hkv, S], `KVCache.layer_log_counts`) are added to the
+    logits of a question prefilled onto it and of a decode step after it: zeros change nothing; a
+    large negative value on every context slot leaves both attending as on a cache with no context
+    slot valid."""
     import jax
     import jax.numpy as jnp
 
@@ -161,19 +163,27 @@ def test_a_per_slot_bias_shifts_the_question_s_attention(llava):
     ctx = model.prefill_context(*gen.right_pad(contexts)[:1], pixels, gen.right_pad(contexts)[1])
     q_ids, q_valid = (jnp.asarray(a) for a in gen.pack_prompts(*gen.right_pad(questions), gen.QUESTION_BUCKETS))
     cfg, params, key, room = model.text_config, model.params["text"], jax.random.key(0), 16
-    slots = ctx.cache.capacity + room
 
-    def logits(cache, bias=None):
+    def logits(cache):
         return np.asarray(gen.prefill_question(cfg, params, cache, q_ids, q_valid, key, room=room,
-                                               sampling=gen.Sampling(), bias=bias)[1])
+                                               sampling=gen.Sampling())[1])
 
-    def bias(value):
-        shape = (len(contexts), cfg.num_kv_heads, slots)
-        return tuple(jnp.full(shape, value, jnp.float32) for _ in range(cfg.num_layers))
+    def decoded(cache):  # the hidden state of one decode step after the question
+        first, _, cache = gen.prefill_question(cfg, params, cache, q_ids, q_valid, key, room=room,
+                                               sampling=gen.Sampling())
+        return np.asarray(llama.decode_step(cfg, params, llama.embed_tokens(params, first[:, None])[:, 0], cache)[0])
+
+    def with_log_counts(value):  # the context's slots, before `prefill_question` grows the cache
+        shape = (len(contexts), cfg.num_kv_heads, ctx.cache.capacity)
+        return ctx.cache.replace(layer_log_counts=tuple(jnp.full(shape, value, jnp.float32)
+                                                        for _ in range(cfg.num_layers)))
 
     plain = logits(ctx.cache)
-    np.testing.assert_array_equal(logits(ctx.cache, bias(0.0)), plain)
+    np.testing.assert_array_equal(logits(with_log_counts(0.0)), plain)
     empty = ctx.cache.replace(layer_positions=tuple(jnp.full_like(p, -1) for p in ctx.cache.layer_positions))
     alone = logits(empty)
-    np.testing.assert_allclose(logits(ctx.cache, bias(-1e4)), alone, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits(with_log_counts(-1e4)), alone, atol=1e-5, rtol=0)
     assert np.abs(alone - plain).max() > 1e-3  # the context mattered (100x the tolerance)
+    np.testing.assert_array_equal(decoded(with_log_counts(0.0)), decoded(ctx.cache))
+    np.testing.assert_allclose(decoded(with_log_counts(-1e4)), decoded(empty), atol=1e-5, rtol=0)
+    assert np.abs(decoded(empty) - decoded(ctx.cache)).max() > 1e-3

@@ -34,7 +34,7 @@ def test_matches_reference(merge, similarity_filter, text_prior):
                       text_prior=text_prior, merge=merge, similarity_filter=similarity_filter, block=8)
     kept = ref.select(scores, valid, is_image, m, n, text_prior=text_prior)
     merged = ref.merge(k, v, kept, valid, merge, similarity_filter)
-    ref.check_against(out, {bh: (p, *merged[bh]) for bh, p in kept.items()})
+    ref.check_against(out, {bh: (p, *merged[bh][:2]) for bh, p in kept.items()})
 
 
 @functools.partial(jax.jit, static_argnames="merge")
@@ -119,7 +119,7 @@ def test_same_modality_scope_matches_reference(merge, text_prior, image_quota):
                       block=8)
     kept = ref.select(scores, valid, is_image, m, n, text_prior=text_prior, image_quota=image_quota)
     merged = ref.merge(k, v, kept, valid, merge, is_image=is_image)
-    ref.check_against(out, {bh: (p, *merged[bh]) for bh, p in kept.items()})
+    ref.check_against(out, {bh: (p, *merged[bh][:2]) for bh, p in kept.items()})
 
 
 @settings(max_examples=15, deadline=None)
@@ -155,3 +155,60 @@ def test_scope_and_quota_refuse_what_they_cannot_do():
         get_method("lookm", merge=None, merge_scope="same_modality")
     with pytest.raises(InputError, match="cannot be combined"):
         get_method("lookm", keep_all_text=True, image_quota=0.5)
+    with pytest.raises(InputError, match="size_aware needs a merge mode"):
+        get_method("lookm", merge=None, size_aware=True)
+    with pytest.raises(InputError, match="size_aware must be True or False"):
+        get_method("lookm", size_aware=1)
+
+
+@pytest.mark.parametrize("merge", ["averaged", "pivotal", "weighted"])
+@pytest.mark.parametrize("merge_scope", ["any", "same_modality"])
+def test_size_aware_log_counts_match_reference(merge, merge_scope):
+    """Each kept slot's log-count is log(1 + the pairs merged into it) (float64 reference); empty
+    slots hold 0; keys and values are those of the same merge without size_aware."""
+    k, v, scores, is_image, valid = _inputs(5, [20, 11])
+    m, n = [3, 2], [4, 4]
+    run = functools.partial(compress_kv, jnp.asarray(k), jnp.asarray(v), jnp.asarray(scores),
+                            is_image=jnp.asarray(is_image), valid=jnp.asarray(valid), n_recent=np.array(m),
+                            n_important=np.array(n), merge=merge, merge_scope=merge_scope, block=8)
+    out = run(size_aware=True)
+    kept = ref.select(scores, valid, is_image, m, n, text_prior=True)
+    merged = ref.merge(k, v, kept, valid, merge, is_image=is_image if merge_scope == "same_modality" else None)
+    ref.check_against(out, {bh: (p, *merged[bh][:2], np.log(merged[bh][2])) for bh, p in kept.items()})
+    plain = run(size_aware=False)
+    assert plain.log_counts is None
+    np.testing.assert_array_equal(out.keys, plain.keys)
+    assert np.asarray(out.log_counts).max() > np.log(2) - 1e-6  # some slot took in at least one pair
+
+
+def test_size_aware_slots_attend_as_the_tokens_they_hold():
+    """n identical key/value pairs merged into one size-aware slot are attended exactly as the n
+    originals were: a later query's attention output over the compressed cache equals its output over
+    the whole prompt. Without the log-counts it differs."""
+    from lookm_jax.models.llama import attend_step
+
+    rng = np.random.default_rng(0)
+    distinct, copies, hq = 6, [3, 1, 2, 0, 4, 0], 4
+    keys = rng.normal(size=(1, H, distinct, D)).astype(np.float32)
+    values = rng.normal(size=(1, H, distinct, D)).astype(np.float32)
+    source = np.concatenate([np.arange(distinct), np.repeat(np.arange(distinct), copies)])  # token -> original
+    k, v = keys[:, :, source], values[:, :, source]
+    length = len(source)
+    scores = np.where(np.arange(length) < distinct, 1.0, 0.0)[None, None].repeat(H, 1).astype(np.float32)
+    valid = np.ones((1, length), bool)
+    out = compress_kv(jnp.asarray(k), jnp.asarray(v), jnp.asarray(scores), is_image=jnp.zeros((1, length), bool),
+                      valid=jnp.asarray(valid), n_recent=0, n_important=distinct, text_prior=False,
+                      merge="averaged", size_aware=True, block=8)
+    np.testing.assert_array_equal(np.asarray(out.positions)[0, 0], np.arange(distinct))
+    np.testing.assert_allclose(np.exp(np.asarray(out.log_counts)[0]), np.broadcast_to(1 + np.array(copies), (H, distinct)),
+                               rtol=1e-6)
+    q = jnp.asarray(rng.normal(size=(1, hq, 1, D)).astype(np.float32))
+    own_k, own_v = (jnp.asarray(rng.normal(size=(1, H, 1, D)).astype(np.float32)) for _ in range(2))
+
+    def attend(cache_k, cache_v, bias=None):
+        mask = jnp.ones(cache_k.shape[:3], bool)
+        return np.asarray(attend_step(q, cache_k.swapaxes(-1, -2), cache_v, mask, own_k, own_v, bias=bias))
+
+    whole = attend(jnp.asarray(k), jnp.asarray(v))
+    np.testing.assert_allclose(attend(out.keys, out.values, out.log_counts), whole, atol=1e-6, rtol=1e-6)
+    assert np.abs(attend(out.keys, out.values) - whole).max() > 1e-3

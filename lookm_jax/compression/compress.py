@@ -26,6 +26,7 @@ class CompressedKV:
     values: jax.Array  # [B, Hkv, S, Dv]; 0 in empty slots
     positions: jax.Array  # [B, Hkv, S] int32 original prompt index, -1 = empty
     mask: jax.Array  # [B, Hkv, S] bool, True = occupied
+    log_counts: jax.Array | None = None  # [B, Hkv, S] fp32 log(prompt tokens in the slot), size-aware only
 
     @property
     def capacity(self) -> int:
@@ -45,6 +46,8 @@ class SelectionSpec:
       image tokens (`lookm_jax.compression.select`).
     merge_scope: "any" (the paper's) or "same_modality": an evicted pair merges only into a kept
       slot of its own modality (`lookm_jax.compression.merge`).
+    size_aware: each kept slot carries log(prompt tokens merged into it), added to its attention
+      logit at every later query (`lookm_jax.compression.merge`). Needs merge.
     """
 
     text_prior: bool = False
@@ -54,10 +57,11 @@ class SelectionSpec:
     keep_all_text: bool = False
     image_quota: float | str | None = None
     merge_scope: str = "any"
+    size_aware: bool = False
 
     def __post_init__(self):
         flags = {"text_prior": self.text_prior, "similarity_filter": self.similarity_filter,
-                 "keep_all_text": self.keep_all_text}
+                 "keep_all_text": self.keep_all_text, "size_aware": self.size_aware}
         not_bool = {name: value for name, value in flags.items() if not isinstance(value, (bool, np.bool_))}
         if not_bool:
             raise InputError(f"{', '.join(not_bool)} must be True or False, got {not_bool}")
@@ -79,6 +83,8 @@ class SelectionSpec:
             raise InputError(f"merge_scope must be one of {MERGE_SCOPES}, got {self.merge_scope!r}")
         if self.merge_scope != "any" and (self.merge is None or self.similarity_filter):
             raise InputError(f"merge_scope {self.merge_scope!r} needs a merge mode and no similarity_filter")
+        if self.size_aware and self.merge is None:
+            raise InputError("size_aware needs a merge mode (without merging every slot holds one token)")
 
 
 def _static_capacity(n_recent, n_important, length: int) -> int:
@@ -105,6 +111,7 @@ def compress_kv(
     keep_all_text: bool = False,
     image_quota: float | str | None = None,
     merge_scope: str = "any",
+    size_aware: bool = False,
     capacity: int | None = None,
     block: int = 128,
 ) -> CompressedKV:
@@ -128,14 +135,15 @@ def compress_kv(
       keep_all_text: keep every text token even when they exceed N (authors' code); the cache
         then overruns M + N, so give ``capacity`` (S_max); rows beyond it are truncated by rank.
         Requires ``text_prior``. Default off.
-      image_quota, merge_scope: see ``SelectionSpec``. Default off / "any" (the paper's).
+      image_quota, merge_scope, size_aware: see ``SelectionSpec``. Default off / "any" / off (the paper's).
       capacity: static S. Default: max over rows of M + N (needs concrete M, N), clipped to L.
       block: static token block of the similarity scan.
 
     The wrapper resolves the static capacity and then calls a jitted core whose static args are
     capacity, block and the selection spec's fields.
     """
-    SelectionSpec(text_prior, merge, n_sink, similarity_filter, keep_all_text, image_quota, merge_scope)  # validates
+    SelectionSpec(text_prior, merge, n_sink, similarity_filter, keep_all_text, image_quota, merge_scope,
+                  size_aware)  # validates
     b, _, length, _ = keys.shape
     if capacity is None:
         capacity = _static_capacity(n_recent, n_important, length)
@@ -145,17 +153,17 @@ def compress_kv(
         keys, values, scores, is_image, valid, n_recent, n_important,
         capacity=int(capacity), text_prior=text_prior, merge=merge, n_sink=n_sink,
         similarity_filter=similarity_filter, keep_all_text=keep_all_text, image_quota=image_quota,
-        merge_scope=merge_scope, block=block,
+        merge_scope=merge_scope, size_aware=size_aware, block=block,
     )
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("capacity", "text_prior", "merge", "n_sink", "similarity_filter", "keep_all_text",
-                     "image_quota", "merge_scope", "block"),
+                     "image_quota", "merge_scope", "size_aware", "block"),
 )
 def _compress(keys, values, scores, is_image, valid, n_recent, n_important, *, capacity, text_prior, merge,
-              n_sink, similarity_filter, keep_all_text, image_quota, merge_scope, block) -> CompressedKV:
+              n_sink, similarity_filter, keep_all_text, image_quota, merge_scope, size_aware, block) -> CompressedKV:
     sel = select_slots(
         scores, valid, is_image, n_recent, n_important,
         capacity=capacity, text_prior=text_prior, n_sink=n_sink, keep_all_text=keep_all_text,
@@ -165,13 +173,16 @@ def _compress(keys, values, scores, is_image, valid, n_recent, n_important, *, c
     occupied = sel.mask[..., None]
     kept_keys = jnp.where(occupied, jnp.take_along_axis(keys, idx, axis=2), 0)  # [B, Hkv, S, D]
     kept_values = jnp.where(occupied, jnp.take_along_axis(values, idx, axis=2), 0)  # [B, Hkv, S, Dv]
+    log_counts = None
     if merge is not None:
         evicted = valid[:, None, :] & ~sel.kept  # [B, Hkv, L]
         slot_is_image = jnp.take_along_axis(jnp.broadcast_to(is_image[:, None, :], evicted.shape), sel.indices, axis=-1)
-        kept_keys, kept_values = merge_evicted(
+        kept_keys, kept_values, counts = merge_evicted(
             keys, values, kept_keys, kept_values, sel.mask, evicted,
             mode=merge, use_similarity_filter=similarity_filter, block=block,
             modalities=(is_image, slot_is_image) if merge_scope == "same_modality" else None,
         )
+        if size_aware:
+            log_counts = jnp.where(sel.mask, jnp.log(counts), 0.0)  # [B, Hkv, S]
     positions = jnp.where(sel.mask, sel.indices, -1).astype(jnp.int32)
-    return CompressedKV(kept_keys, kept_values, positions, sel.mask)
+    return CompressedKV(kept_keys, kept_values, positions, sel.mask, log_counts)

@@ -19,6 +19,11 @@ eq. 12 taken literally, as the authors' code does; it is not clipped.
 With `same_modality` (not in the paper) an evicted pair may only merge into a kept slot of its own
 modality (image into image, text into text); a pair with no kept slot of its modality in its head
 is evicted without merging.
+
+A merged slot stands for 1 + n_s tokens but is attended as one. Size-aware slots (not in the paper;
+ToMe's proportional attention applied to a KV cache) keep log(1 + n_s) per slot, which attention adds
+to that slot's logit at every later query: n identical keys merged into one are then attended exactly
+as the n originals were.
 """
 
 from __future__ import annotations
@@ -101,7 +106,7 @@ def merge_evicted(
     use_similarity_filter: bool = False,
     block: int = 128,
     modalities: tuple[jax.Array, jax.Array] | None = None,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Merge every evicted pair into its most similar kept pair (eq. 9-12, module docstring).
 
     Args:
@@ -115,7 +120,8 @@ def merge_evicted(
       modalities: (is_image [B, L], slot_is_image [B, H, S]) to merge within each modality only
         (module docstring); None merges across them, as the paper does.
     Returns:
-      merged (kept_keys, kept_values), in the kept arrays' dtypes.
+      merged (kept_keys, kept_values), in the kept arrays' dtypes, and the prompt tokens each kept
+      slot now holds [B, H, S] fp32: 1 + the pairs merged into it (1 in empty slots too).
     """
     if mode not in MERGES:
         raise ValueError(f"merge must be one of {MERGES}, got {mode!r}")
@@ -139,4 +145,4 @@ def merge_evicted(
         acc = to_slots(weight * full.astype(jnp.float32))
         return ((self_weight * kept.astype(jnp.float32) + acc) / (1.0 + n)).astype(kept.dtype)
 
-    return fold(keys, kept_keys), fold(values, kept_values)
+    return fold(keys, kept_keys), fold(values, kept_values), 1.0 + n[..., 0]

@@ -32,6 +32,7 @@ class LookM(ScorerMethod):
     capacity_ratio: float | None = None
     image_quota: float | str | None = None  # ranked slots reserved for image tokens (`SelectionSpec`); paper: None
     merge_scope: str = "any"  # "same_modality": merge image into image, text into text; paper: "any"
+    size_aware: bool = False  # slots carry log(tokens merged in), added to their attention logits; paper: False
 
     def __post_init__(self):
         super().__post_init__()
@@ -43,7 +44,8 @@ class LookM(ScorerMethod):
     def selection(self) -> SelectionSpec:
         return SelectionSpec(text_prior=self.text_prior, merge=self.merge, n_sink=self.n_sink,
                              similarity_filter=self.similarity_filter, keep_all_text=self.keep_all_text,
-                             image_quota=self.image_quota, merge_scope=self.merge_scope)
+                             image_quota=self.image_quota, merge_scope=self.merge_scope,
+                             size_aware=self.size_aware)
 
     def capacity(self, bucket_len: int) -> int:
         if not self.keep_all_text:
