@@ -6,13 +6,16 @@
 Prints one table of figures and ratios (steady-state times are the best of --repeats runs,
 interleaved across configurations; compile time is reported apart):
   * decode ms/token with the full cache and LOOK-M (paper default: text-prior, pivotal merge) at
-    20% and 5% budget, and the ratio to full; the bytes one decode step reads (decoder weights,
+    20% and 5% budget, SnapKV (uniform per layer) and PyramidKV (the same total split over layers)
+    at 20% and 5%, and the ratio to full; the bytes one decode step reads (decoder weights,
     the tied head included, + the whole static K/V cache: empty slots are masked, not skipped),
     the bound bytes / bandwidth with the memory read bandwidth measured in the same run, and how
     close each measured step comes to its bound; and, since XLA:CPU's batch-1 dots and cache
     attention do not stream at that bandwidth, the kernel bound: every weight dot alone plus
     every layer's cache attention alone over that cache (`decode_cpu.KernelTimes`, timed in every
     round, after the configurations' runs), and each step's share of it;
+  * each adaptive layout against its uniform twin at the same budget: K/V bytes, the compiled
+    decode's memory (arguments + temporaries, `memory_analysis`) and ms/token, as ratios;
   * prefill + compression time over plain prefill (full cache), also with the scores recomputed
     by the standalone scorer (``scoring.column_stats``) instead of taken from the prefill's own
     attention: the path before the two were fused;
@@ -40,6 +43,7 @@ from bench_args import at_least, json_path
 from decode_cpu import WORDS, KernelTimes, peak_rss_mib, read_bandwidth_gbs
 
 IMAGE_FRACTION = 0.8
+ADAPTIVE_TWINS = {"PyramidKV": "SnapKV"}  # adaptive layout -> the uniform method it redistributes
 MIB = 2**20
 
 
@@ -86,8 +90,8 @@ def recomputed_scores(method):
         def capacity(self, bucket_len: int) -> int:
             return self.inner.capacity(bucket_len)
 
-        def __call__(self, queries, keys, values, is_image, valid, stats=None):
-            return self.inner(queries, keys, values, is_image, valid)  # stats=None: recompute
+        def __call__(self, queries, keys, values, is_image, valid, stats=None, layer=None):
+            return self.inner(queries, keys, values, is_image, valid, layer=layer)  # stats=None: recompute
 
     return RecomputedScores(method)
 
@@ -119,6 +123,22 @@ def rss_child(length: int, new_tokens: int) -> dict:
             "before_mib": before, "peak_mib": peak_rss_mib(), "compile_s": compile_s, "prefill_s": prefill_s}
 
 
+def decode_memory_bytes(model, ids, pixels, method, new_tokens: int) -> int:
+    """Arguments + temporaries of the compiled decode program on `method`'s cache (XLA's memory analysis)."""
+    import jax
+    import jax.numpy as jnp
+
+    from lookm_jax import generate as gen
+
+    packed, valid = gen.pack_prompts(ids, buckets=model.buckets)
+    args = (model.config, model.params, jnp.asarray(packed), jnp.asarray(valid), jnp.asarray(pixels), jax.random.key(0))
+    first, cache, _ = jax.eval_shape(lambda *a: gen.prefill(*a, method=method, max_new_tokens=new_tokens,
+                                                            sampling=gen.Sampling()), *args)
+    stats = gen.decode.lower(model.text_config, model.params["text"], first, cache, args[-1], max_new_tokens=new_tokens,
+                             sampling=gen.Sampling(), eos_ids=()).compile().memory_analysis()
+    return stats.argument_size_in_bytes + stats.temp_size_in_bytes
+
+
 def time_configs(model, ids, pixels, configs: dict, new_tokens: int, repeats: int) -> dict:
     """Compile, then `repeats` rounds of every config and of the kernels that bound its decode
     (`KernelTimes`); best prefill, decode and kernel times."""
@@ -127,7 +147,8 @@ def time_configs(model, ids, pixels, configs: dict, new_tokens: int, repeats: in
         r = model.run(ids, pixels, max_new_tokens=new_tokens, method=method)
         out[name] = {"compile_s": r.compile_seconds, "prefill_s": [], "decode_ms": [], "cache_bytes": r.cache_bytes,
                      "kept": float(r.kept_image_tokens[0] + r.kept_text_tokens[0]),
-                     "kept_text": float(r.kept_text_tokens[0])}
+                     "kept_text": float(r.kept_text_tokens[0]),
+                     "decode_memory": decode_memory_bytes(model, ids, pixels, method, new_tokens)}
     kernels = KernelTimes(model, [row["cache_bytes"] for row in out.values()])
     for _ in range(repeats):
         for name, method in configs.items():
@@ -172,6 +193,9 @@ def main() -> None:
     configs = {"full": lookm_jax.get_method("full"), "LOOK-M 20%": lookm20,
                "LOOK-M 5%": lookm_jax.get_method("lookm", budget=0.05),
                "LOOK-M 20%, scores recomputed": recomputed_scores(lookm20)}
+    for budget in (0.2, 0.05):
+        for name in ADAPTIVE_TWINS.values():
+            configs[f"{name} {budget:.0%}"] = lookm_jax.get_method(name.lower(), budget=budget)
     timed = time_configs(model, ids, pixels, configs, args.new_tokens, args.repeats)
     bandwidth = read_bandwidth_gbs()
     dots_ms = timed["full"]["kernels"]["dots_ms"]
@@ -199,13 +223,14 @@ def main() -> None:
                      "step_bytes": step_bytes, "bound_ms": bound, "bound_speed_up": bound_full / bound,
                      "bound_fraction": bound / row["decode_ms"], "kernels": row["kernels"],
                      "kernel_bound_ms": kernel_bound, "kernel_bound_fraction": kernel_bound / row["decode_ms"],
-                     "prefill_s": row["prefill_s"],
+                     "prefill_s": row["prefill_s"], "decode_memory": row["decode_memory"],
                      "prefill_vs_full": row["prefill_s"] / full["prefill_s"], "compile_s": row["compile_s"]})
-    print(f"{'cache':<30} | {'kept/head':>9} | {'text kept':>9} | {'K/V MiB':>7} | {'decode ms/tok':>13} | "
+    print(f"{'cache':<30} | {'kept/head':>9} | {'text kept':>9} | {'K/V MiB':>7} | {'decode mem MiB':>14} | {'decode ms/tok':>13} | "
           f"{'speed-up':>8} | {'read/step MiB':>13} | {'bound ms/tok':>12} | {'bound speed-up':>14} | "
           f"{'% of bound':>10} | {'kernel bound ms':>15} | {'% of kernel bound':>17} | {'prefill s':>9} | {'vs full':>7} | {'compile s':>9}")
     for r in rows:
         print(f"{r['cache']:<30} | {r['kept']:>9.0f} | {r['kept_text']:>9.0f} | {r['cache_bytes'] / MIB:>7.1f} | "
+              f"{r['decode_memory'] / MIB:>14.1f} | "
               f"{r['decode_ms']:>13.1f} | {r['speed_up']:>7.2f}x | {r['step_bytes'] / MIB:>13.0f} | "
               f"{r['bound_ms']:>12.1f} | {r['bound_speed_up']:>13.2f}x | {100 * r['bound_fraction']:>9.0f}% | "
               f"{r['kernel_bound_ms']:>15.1f} | {100 * r['kernel_bound_fraction']:>16.0f}% | "
@@ -213,6 +238,19 @@ def main() -> None:
     print(f"kernel bound = every weight dot alone ({dots_ms:.1f} ms) + every layer's cache attention alone over "
           f"the cache, timed in the same run; the attention streams at "
           + ", ".join(f"{r['kernels']['attention_gbs']:.1f}" for r in rows) + " GB/s")
+    print("\nadaptive layouts against their uniform twin (same budget, same run)")
+    print(f"{'layout':<16} | {'twin':<12} | {'K/V bytes':>9} | {'decode memory':>13} | {'ms/token':>8}")
+    by_name = {r["cache"]: r for r in rows}
+    twins = []
+    for budget in ("20%", "5%"):
+        for adaptive, uniform in ADAPTIVE_TWINS.items():
+            a, u = by_name[f"{adaptive} {budget}"], by_name[f"{uniform} {budget}"]
+            twin = {"layout": a["cache"], "twin": u["cache"], "bytes_ratio": a["cache_bytes"] / u["cache_bytes"],
+                    "decode_memory_ratio": a["decode_memory"] / u["decode_memory"],
+                    "decode_ms_ratio": a["decode_ms"] / u["decode_ms"]}
+            twins.append(twin)
+            print(f"{twin['layout']:<16} | {twin['twin']:<12} | {twin['bytes_ratio']:>8.3f}x | "
+                  f"{twin['decode_memory_ratio']:>12.3f}x | {twin['decode_ms_ratio']:>7.3f}x")
     if rss:  # --rss-lengths with no value: speed only
         print("\npeak RSS of one LOOK-M 20% prefill + scoring + compression (fresh process each; "
               "counter reset after load and compile)")
@@ -232,7 +270,7 @@ def main() -> None:
         figures = {"command": " ".join(sys.argv), "cpu_count": os.cpu_count(), "prompt_tokens": int(ids.shape[1]),
                    "image_tokens": n_image, "new_tokens": args.new_tokens, "repeats": args.repeats,
                    "load_average": {"start": load_start, "end": load_end}, "bandwidth_gbs": bandwidth,
-                   "weight_bytes": weight_bytes, "configs": rows, "rss": rss}
+                   "weight_bytes": weight_bytes, "configs": rows, "adaptive_vs_uniform": twins, "rss": rss}
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)
 

@@ -28,7 +28,7 @@ def attention_received_padded(cfg, params: dict, input_ids: jax.Array, valid: ja
     """
     x, _ = llava.embed(cfg, params, input_ids, pixel_values)  # [B, L, H]
 
-    def received(q, k, v, stats):  # A_s [B, Hkv, L] -> mean over every query head [B, L]
+    def received(q, k, v, stats, index):  # A_s [B, Hkv, L] -> mean over every query head [B, L]
         return scores_from_stats(stats).mean(axis=1)
 
     positions, _ = llava.rope_positions(cfg, input_ids, valid, pixel_values)  # M-RoPE for Qwen2-VL

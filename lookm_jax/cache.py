@@ -14,6 +14,11 @@ iff its `positions` entry is >= 0, so padding, evicted and not-yet-written slots
 Compression keeps different slots per layer and KV head, hence positions per [layer, row, head].
 A size-aware merge also stores each slot's log(tokens merged into it), added to the slot's logit at
 every later query (`attend_bias`); other caches store none, so their programs are unchanged.
+
+Per-layer budgets (`lookm_jax.compression.budgets`) give layer l its own P_l prompt slots, so its
+buffers hold P_l + room slots. Slot indices (`cursor`, `capacity`, `truncate_rows`) count in the
+largest layer's frame; layer l's buffer starts `layer_shifts[l]` = max P - P_l slots into it, so
+every layer writes a new token at cursor - shift and decode reads only what each layer kept.
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ class KVCache:
     cursor: jax.Array  # [] int32, next slot decode writes (shared by all rows)
     next_position: jax.Array  # [B] int32, RoPE position of each row's next token
     layer_log_counts: tuple[jax.Array, ...] | None = None  # N x [B, Hkv, S] fp32, 0 = one token; None: all 0
+    layer_shifts: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)  # static; None: all 0
+
+    def shift(self, index: int) -> int:
+        """Where layer `index`'s (static) buffer starts in the largest layer's slot frame."""
+        return 0 if self.layer_shifts is None else self.layer_shifts[index]
 
     @property
     def num_layers(self) -> int:
@@ -38,45 +48,63 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.layer_values[0].shape[2]
+        """Slots of the largest layer."""
+        return self.layer_values[0].shape[2] + self.shift(0)
 
     @property
     def nbytes(self) -> int:
         """Bytes of keys and values (what decode reads each step)."""
         return sum(a.nbytes for a in self.layer_keys + self.layer_values)
 
-    # Stacked [N, B, Hkv, S(, D)] views, for inspection and tests (each call builds a new array).
+    # Stacked [N, B, Hkv, S(, D)] views in the largest layer's frame (a smaller layer's missing slots
+    # empty), for inspection and tests; each call builds a new array.
+    def _stacked(self, layers, slot_axis: int, fill) -> jax.Array:
+        def framed(index, a):
+            pad = [(0, 0)] * a.ndim
+            pad[slot_axis] = (self.shift(index), 0)
+            return jnp.pad(a, pad, constant_values=fill)
+        return jnp.stack([framed(i, a) for i, a in enumerate(layers)])
+
     @property
     def keys(self) -> jax.Array:
-        return jnp.stack(self.layer_keys).swapaxes(-1, -2)
+        return self._stacked(self.layer_keys, 3, 0).swapaxes(-1, -2)
 
     @property
     def values(self) -> jax.Array:
-        return jnp.stack(self.layer_values)
+        return self._stacked(self.layer_values, 2, 0)
 
     @property
     def positions(self) -> jax.Array:
-        return jnp.stack(self.layer_positions)
+        return self._stacked(self.layer_positions, 2, -1)
 
     @classmethod
     def from_prompt(cls, keys: jax.Array, values: jax.Array, positions: jax.Array, next_position: jax.Array,
-                    max_new_tokens: int, log_counts: jax.Array | None = None) -> "KVCache":
+                    max_new_tokens: int, log_counts: jax.Array | None = None,
+                    layer_slots: tuple[int, ...] | None = None) -> "KVCache":
         """Write every layer's (compressed) prompt slots into a cache with room for the new tokens.
 
         keys/values [N, B, Hkv, P, D] and positions [N, B, Hkv, P] (as the prompt encoder's layer
         loop stacks them), next_position [B]: each row's first new RoPE position (its prompt length;
         M-RoPE's max prompt position + 1). Decode writes a token's RoPE position as its slot's position
         (only its sign, valid, is read after the prompt). log_counts [N, B, Hkv, P] of a size-aware
-        merge, or None. Capacity P + max_new_tokens, cursor P.
+        merge, or None. layer_slots (static): each layer's P_l <= P, when layers keep different
+        numbers (layer l's occupied slots must come first); None: P in every layer. Capacity
+        max P_l + max_new_tokens, cursor max P_l.
         """
-        slots = ((0, 0),) * 2 + ((0, max_new_tokens),)
         n = keys.shape[0]
-        return cls(layer_keys=tuple(jnp.pad(keys[i], slots + ((0, 0),)).swapaxes(-1, -2) for i in range(n)),
-                   layer_values=tuple(jnp.pad(values[i], slots + ((0, 0),)) for i in range(n)),
-                   layer_positions=tuple(jnp.pad(positions[i], slots, constant_values=-1) for i in range(n)),
-                   cursor=jnp.asarray(keys.shape[3], jnp.int32), next_position=next_position.astype(jnp.int32),
-                   layer_log_counts=None if log_counts is None else tuple(
-                       jnp.pad(log_counts[i], slots) for i in range(n)))
+        layer_slots = (keys.shape[3],) * n if layer_slots is None else tuple(layer_slots)
+        top = max(layer_slots)
+        slots = ((0, 0),) * 2 + ((0, max_new_tokens),)
+
+        def per_layer(a, fill=0):  # [N, B, Hkv, P(, D)] -> N x [B, Hkv, P_l + max_new_tokens(, D)]
+            return tuple(jnp.pad(a[i, :, :, :layer_slots[i]], slots + ((0, 0),) * (a.ndim - 4),
+                                 constant_values=fill) for i in range(n))
+
+        return cls(layer_keys=tuple(k.swapaxes(-1, -2) for k in per_layer(keys)), layer_values=per_layer(values),
+                   layer_positions=per_layer(positions, -1), cursor=jnp.asarray(top, jnp.int32),
+                   next_position=next_position.astype(jnp.int32),
+                   layer_log_counts=None if log_counts is None else per_layer(log_counts),
+                   layer_shifts=None if len(set(layer_slots)) == 1 else tuple(top - s for s in layer_slots))
 
     def layer(self, index: int) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Layer `index` (static): keys [B, Hkv, D, S], values [B, Hkv, S, D] and the valid-slot mask
@@ -108,7 +136,7 @@ class KVCache:
 
         def put(layers, new, dep, slot_axis):  # new and dep shaped like the layer's buffer, W slots wide
             start = [0] * new.ndim
-            start[slot_axis] = self.cursor
+            start[slot_axis] = self.cursor - self.shift(index)
             new = new.astype(layers[index].dtype) + dep.astype(layers[index].dtype)
             updated = jax.lax.dynamic_update_slice(layers[index], new, start)
             return layers[:index] + (updated,) + layers[index + 1:]
@@ -136,9 +164,12 @@ class KVCache:
     def truncate_rows(self, ends: jax.Array) -> "KVCache":
         """Row b keeps its slots below ends[b] [B]; its written slots from there to the cursor are
         emptied and its next position moves back by as many. The cursor stays (it is shared)."""
-        slots = jnp.arange(self.capacity)
-        dropped = (slots[None] >= ends[:, None]) & (slots[None] < self.cursor)  # [B, S]
-        return self.replace(layer_positions=tuple(jnp.where(dropped[:, None], -1, p) for p in self.layer_positions),
+        def truncated(index, p):  # p [B, Hkv, S_l], its slots at shift + 0 .. in the largest layer's frame
+            slots = self.shift(index) + jnp.arange(p.shape[-1])
+            dropped = (slots[None] >= ends[:, None]) & (slots[None] < self.cursor)  # [B, S_l]
+            return jnp.where(dropped[:, None], -1, p)
+
+        return self.replace(layer_positions=tuple(truncated(i, p) for i, p in enumerate(self.layer_positions)),
                             next_position=self.next_position - (self.cursor - ends))
 
     @staticmethod
@@ -147,8 +178,9 @@ class KVCache:
         if len({c.capacity for c in caches}) != 1 or len({int(c.cursor) for c in caches}) != 1:
             raise ValueError(f"caches need equal capacity and cursor to share a decode, got capacities "
                              f"{[c.capacity for c in caches]} and cursors {[int(c.cursor) for c in caches]}")
-        if len({c.layer_log_counts is None for c in caches}) != 1:
-            raise ValueError("caches with and without size-aware slots cannot share a decode")
+        if len({c.layer_log_counts is None for c in caches}) != 1 or len({c.layer_shifts for c in caches}) != 1:
+            raise ValueError("caches with and without size-aware slots, or with different per-layer slots, cannot "
+                             "share a decode")
 
         def rows(field):
             return tuple(jnp.concatenate(layer) for layer in zip(*(getattr(c, field) for c in caches)))
@@ -156,7 +188,8 @@ class KVCache:
         return KVCache(layer_keys=rows("layer_keys"), layer_values=rows("layer_values"),
                        layer_positions=rows("layer_positions"), cursor=caches[0].cursor,
                        next_position=jnp.concatenate([c.next_position for c in caches]),
-                       layer_log_counts=None if caches[0].layer_log_counts is None else rows("layer_log_counts"))
+                       layer_log_counts=None if caches[0].layer_log_counts is None else rows("layer_log_counts"),
+                       layer_shifts=caches[0].layer_shifts)
 
 
 @jax.jit

@@ -48,7 +48,8 @@ class Context:
 
     @property
     def prompt_slots(self) -> int:
-        """Context slots per layer, row and KV head that the method kept: method.capacity(bucket)."""
+        """Context slots per row and KV head that the method kept in its largest layer: method.capacity(bucket)
+        (every layer's under a uniform budget)."""
         return self.method.capacity(self.bucket)
 
     def kept_by_modality(self) -> tuple[np.ndarray, np.ndarray]:
@@ -87,7 +88,7 @@ def prefill_context(model, input_ids, pixel_values=None, attention_mask=None, *,
     cache, is_image = program(*args[1:])
     lengths = prompt.lengths.astype(np.int32)
     return Context(cache=cache, is_image=is_image, prompt_lengths=lengths, bucket=prompt.ids.shape[1],
-                   method=method, used=method.capacity(prompt.ids.shape[1]),
+                   method=method, used=cache.capacity,
                    next_positions=np.asarray(cache.next_position))  # the length, or M-RoPE's max + 1
 
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from lookm_jax.cache import KVCache
 from lookm_jax.checks import is_real
+from lookm_jax.compression.methods.base import LayerIndex
 from lookm_jax.errors import InputError, PromptTooLongError
 from lookm_jax.models import llama, llava
 from lookm_jax.models.config import LlamaConfig, LlavaConfig
@@ -113,15 +114,18 @@ def _compressed_prompt(cfg, params, input_ids, valid, pixel_values, method, room
     loop -> (final-normed h [B, L, H], cache of capacity method.capacity(L) + room, is_image [B, L])."""
     x, is_image = llava.embed(cfg, params, input_ids, pixel_values)
 
-    def compress(q, k, v, stats):  # one layer, inside the layer loop: [B, Hkv, kept, D] slots
-        kept = method(q, k, v, is_image, valid, stats=stats)
+    text_cfg = llava.text_config(cfg)
+
+    def compress(q, k, v, stats, index):  # one layer, inside the layer loop: [B, Hkv, kept, D] slots
+        kept = method(q, k, v, is_image, valid, stats=stats, layer=LayerIndex(index, text_cfg.num_layers))
         return kept.keys.astype(k.dtype), kept.values.astype(v.dtype), kept.positions, kept.log_counts
 
     positions, next_position = llava.rope_positions(cfg, input_ids, valid, pixel_values)  # [(3,) B, L], [B]
-    h, kept = llama.encode(llava.text_config(cfg), params["text"], x, valid, method.statistics, compress, positions)
+    h, kept = llama.encode(text_cfg, params["text"], x, valid, method.statistics, compress, positions)
     keys, values, kept_positions, log_counts = kept  # [N, B, Hkv, kept(, D)]
+    layer_slots = method.layer_capacities(x.shape[1], text_cfg.num_layers)
     cache = constrain_cache(  # placed as on the mesh, if any
-        KVCache.from_prompt(keys, values, kept_positions, next_position, room, log_counts))
+        KVCache.from_prompt(keys, values, kept_positions, next_position, room, log_counts, layer_slots))
     return h, cache, is_image
 
 
@@ -259,7 +263,7 @@ def prefill_states(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax.
     w = min(window, length)
     window_positions = jnp.maximum(jax.lax.top_k(jnp.where(valid, jnp.arange(length), -1), w)[0], 0)  # [B, W]
 
-    def keep(q, k, v, stats):
+    def keep(q, k, v, stats, index):
         q_window = jnp.take_along_axis(q, window_positions[:, None, :, None], axis=2)  # [B, Hq, W, D]
         return k, v, stats, q_window
 
@@ -291,16 +295,18 @@ def compress_prefilled(prefilled: Prefilled, *, method, max_new_tokens: int) -> 
     num_heads = prefilled.window_queries.shape[2]
     rows = jnp.arange(b)[:, None]  # [B, 1]
 
-    def layer(_, inputs):
+    def layer(index, inputs):
         k, v, stats, q_window = inputs
         queries = jnp.zeros((b, length, num_heads, head_dim), q_window.dtype)  # [B, L, Hq, D]
         queries = queries.at[rows, prefilled.window_positions].set(q_window.transpose(0, 2, 1, 3))
         kept = method(queries.transpose(0, 2, 1, 3), k, v, prefilled.is_image, prefilled.valid,
-                      stats={name: stats[name] for name in method.statistics})
-        return None, (kept.keys.astype(k.dtype), kept.values.astype(v.dtype), kept.positions, kept.log_counts)
+                      stats={name: stats[name] for name in method.statistics}, layer=LayerIndex(index, num_layers))
+        return index + 1, (kept.keys.astype(k.dtype), kept.values.astype(v.dtype), kept.positions, kept.log_counts)
 
     layer_inputs = (prefilled.keys, prefilled.values, prefilled.stats, prefilled.window_queries)
-    _, kept = jax.lax.scan(layer, None, layer_inputs)
+    num_layers = prefilled.keys.shape[0]
+    _, kept = jax.lax.scan(layer, jnp.asarray(0, jnp.int32), layer_inputs)
     keys, values, positions, log_counts = kept
-    return KVCache.from_prompt(keys, values, positions, prefilled.next_position, max_new_tokens, log_counts)
+    return KVCache.from_prompt(keys, values, positions, prefilled.next_position, max_new_tokens, log_counts,
+                               method.layer_capacities(length, num_layers))
 

@@ -60,7 +60,7 @@ class GenerationResult:
     kept_image_tokens: np.ndarray  # [B] image tokens the cache kept, mean over layers and KV heads
     kept_text_tokens: np.ndarray  # [B] text tokens the cache kept, likewise
     bucket: int
-    prompt_slots: int  # prompt slots per layer, row and KV head the method keeps: method.capacity(bucket)
+    prompt_slots: int  # prompt slots per row and KV head the method keeps in its largest layer: method.capacity(bucket)
     new_slots: int  # slots for the new tokens: max_new_tokens
     cache_bytes: int  # K/V bytes of the decode cache: (prompt_slots + new_slots) per layer, row and KV head
     full_cache_bytes: int  # the same for an uncompressed cache of this bucket: bucket + new_slots

@@ -119,7 +119,7 @@ def cache_specs(cache: KVCache) -> KVCache:
     """The PartitionSpec of every cache leaf: rows over "data", KV heads over "model"."""
     n = cache.num_layers
     return KVCache(layer_keys=(KV_SPEC,) * n, layer_values=(KV_SPEC,) * n, layer_positions=(POSITIONS_SPEC,) * n,
-                   cursor=P(), next_position=P(DATA),
+                   cursor=P(), next_position=P(DATA), layer_shifts=cache.layer_shifts,
                    layer_log_counts=None if cache.layer_log_counts is None else (POSITIONS_SPEC,) * n)
 
 

@@ -3,7 +3,7 @@
 The prompt's hidden states do not depend on the cache method (compression happens after the
 prompt is encoded), so one prefill feeds every method: `generate.prefill_states` keeps the
 uncompressed per-layer K/V and the statistics the methods rank by, `generate.compress_prefilled`
-builds each method's cache, and methods of equal capacity decode together.
+builds each method's cache, and methods of equal cache layout decode together.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def generate_methods(model, input_ids, pixel_values=None, attention_mask=None, m
     """Greedy new tokens [B, max_new_tokens] for each of `methods`, from ONE prefill of `model`.
 
     The same tokens as `model.generate(..., method=m)` for each m, at the cost of one prefill;
-    methods of equal capacity decode together, up to `max_decode_rows` rows per `generate.decode`
+    methods of equal cache layout decode together, up to `max_decode_rows` rows per `generate.decode`
     call (at least one method's B rows). Inputs are checked as `Model.run` checks them.
 
     after: optional [B, A] int32 tokens (right-padded with -1, at least one per row) prefilled onto
@@ -53,13 +53,13 @@ def generate_methods(model, input_ids, pixel_values=None, attention_mask=None, m
         model.config, model.params, jnp.asarray(prompt.ids), jnp.asarray(prompt.valid), prompt.pixel_values, key,
         statistics=tuple(s for s in STATISTICS if any(s in m.statistics for m in methods)),
         window=max(1, *(gen.query_window(m, bucket) for m in methods)), sampling=sampling)
-    by_capacity: dict[int, list[int]] = {}
+    by_layout: dict[tuple, list[int]] = {}
     for i, m in enumerate(methods):
-        by_capacity.setdefault(m.capacity(bucket), []).append(i)
+        by_layout.setdefault(m.cache_layout(bucket, model.text_config.num_layers), []).append(i)
     per_call = max(1, max_decode_rows // batch)
     text_config, params = model.text_config, model.params["text"]
     out: list[np.ndarray | None] = [None] * len(methods)
-    for indices in by_capacity.values():
+    for indices in by_layout.values():
         for start in range(0, len(indices), per_call):
             chunk = indices[start:start + per_call]
             cache = KVCache.concat_rows([gen.compress_prefilled(prefilled, method=methods[i],

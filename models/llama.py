@@ -262,9 +262,10 @@ def encode(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array, stati
            on_layer=None, positions: jax.Array | None = None):
     """Run the decoder over a right-padded prompt, handing every layer's attention to a hook.
 
-    x [B, L, H] embeddings, valid [B, L]. In every layer, ``on_layer(q, k, v, stats)`` gets the
-    RoPE'd q [B, Hq, L, D], k/v [B, Hkv, L, D] and the attention statistics asked for
-    (``statistics``, static: {name: [B, Hkv, G, L] fp32}, see ``causal_attention``) and returns
+    x [B, L, H] embeddings, valid [B, L]. In every layer, ``on_layer(q, k, v, stats, index)`` gets the
+    RoPE'd q [B, Hq, L, D], k/v [B, Hkv, L, D], the attention statistics asked for
+    (``statistics``, static: {name: [B, Hkv, G, L] fp32}, see ``causal_attention``) and the layer's
+    index (traced), and returns
     what the caller keeps of the layer (any pytree; None keeps nothing). The layers run as one
     `lax.scan`, so only one layer's q/k/v is alive at a time. Returns (final-normed h [B, L, H],
     the hook's outputs stacked on a leading layer axis N). ``positions``: RoPE positions [B, L] or
@@ -280,7 +281,7 @@ def encode(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array, stati
         lp = jax.lax.switch(index, branches)  # one layer's weights (the layers are separate arrays)
         q, k, v = project_qkv(cfg, lp, h, cos, sin)
         attn, stats = causal_attention(q, k, v, valid, statistics=statistics)
-        kept = None if on_layer is None else on_layer(q, k, v, stats)
+        kept = None if on_layer is None else on_layer(q, k, v, stats, index)
         return finish_layer(cfg, lp, h, attn), kept
 
     h, kept = jax.lax.scan(layer, x, jnp.arange(len(layers)))

@@ -173,9 +173,23 @@ def budget(alpha, length):
     return math.floor(alpha * length)
 
 
-def run_method(name, params, q, k, v, is_image, valid):
+def layer_ranked(n, n_max, layer, num_layers, weights):
+    """Layer `layer`'s ranked slots when the uniform budget ranks n (n_max for a full bucket): its
+    share of num_layers * n by cumulative floors of the weights' running sums, capped at its share of
+    n_max. weights: "pyramid" (PyramidKV, beta 20: linear from 2 - 1/20 to 1/20) or a list."""
+    if weights == "pyramid":
+        weights = [2 - 1 / 20 - i * (2 - 2 / 20) / (num_layers - 1) for i in range(num_layers)]
+
+    def share(total):
+        running = [sum(weights[:i]) / sum(weights) for i in range(num_layers + 1)]
+        return math.floor(running[layer + 1] * num_layers * total + 1e-9) - math.floor(running[layer] * num_layers * total + 1e-9)
+
+    return min(share(n), share(n_max))
+
+
+def run_method(name, params, q, k, v, is_image, valid, layer=None):
     """Reference of a registry method: {(b, h): (positions, keys, values)}, and the slots' log token
-    counts last with size_aware."""
+    counts last with size_aware. layer: (index, count) for a per-layer split."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     valid, is_image = np.asarray(valid), np.asarray(is_image)
     b_, h_, length, _ = k.shape
@@ -197,7 +211,7 @@ def run_method(name, params, q, k, v, is_image, valid):
     elif name == "roco":
         mean, std = mean_std(q, k, valid)
         scores = mean + params.get("std_weight", 0.0) * std
-    elif name == "snapkv":
+    elif name in ("snapkv", "pyramidkv"):
         w = params.get("window", 32)
         window = m if w is None else [w] * b_
         scores = window_scores(q, k, valid, window, m, params.get("kernel_size", 7), params.get("pooling", "max"))
@@ -208,6 +222,10 @@ def run_method(name, params, q, k, v, is_image, valid):
         n_sink = params.get("n_sink", 0)
     else:
         raise ValueError(name)
+    split = params.get("layer_split", "pyramid" if name == "pyramidkv" else "uniform")
+    if split != "uniform":
+        n_max = budget(params.get("alpha_important", 0.1), length)
+        n = [layer_ranked(x, n_max, *layer, split) for x in n]
     kept = select(scores, valid, is_image, m, n, text_prior=text_prior, n_sink=n_sink,
                   keep_all_text=params.get("keep_all_text", False), image_quota=params.get("image_quota"))
     if mode is None:

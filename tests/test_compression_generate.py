@@ -3,7 +3,8 @@
 Cache sizes: a budget method keeps M + N = floor(alpha_recent * L) + floor(alpha_important * L)
 prompt slots per layer and KV head, L = the row's own prompt length; the static capacity it
 allocates is the same formula at the bucket length, floor(a1 * bucket) + floor(a2 * bucket), so
-the compressed cache is (capacity + new) / (bucket + new) of the full cache's bytes.
+the compressed cache is (capacity + new) / (bucket + new) of the full cache's bytes. A per-layer
+split (PyramidKV) moves ranked slots between layers and keeps the same total.
 """
 
 from __future__ import annotations
@@ -37,16 +38,23 @@ def _method(name, budget, **params):
     return build(name, params, budget=budget)
 
 
-def _check_sizes(result, method, new_tokens):
-    """Cache bytes scale with (capacity + new) / (bucket + new); each head keeps M + N (or L) slots."""
+def _check_sizes(result, method, new_tokens, num_layers):
+    """Cache bytes scale with (capacity + new) / (bucket + new), summed over layers; each head keeps
+    M + N (or L) slots, a per-layer split the same on average over layers."""
     bucket, length = result.bucket, int(result.prompt_lengths[0])
-    capacity = method.capacity(bucket)
+    capacities = method.layer_capacities(bucket, num_layers)
     if isinstance(method, ScorerMethod):
-        assert capacity == math.floor(method.alpha_recent * bucket) + math.floor(method.alpha_important * bucket)
-        kept = math.floor(method.alpha_recent * length) + math.floor(method.alpha_important * length)
+        m, n, n_max = (math.floor(a * x) for a, x in ((method.alpha_recent, length), (method.alpha_important, length),
+                                                      (method.alpha_important, bucket)))
+        assert sum(capacities) == num_layers * (math.floor(method.alpha_recent * bucket) + n_max)
+        split = method.layer_split
+        kept = m + (n if split == "uniform" else
+                    np.mean([ref.layer_ranked(n, n_max, i, num_layers, split) for i in range(num_layers)]))
     else:
+        assert capacities == (bucket,) * num_layers
         kept = length
-    assert result.cache_bytes * (bucket + new_tokens) == result.full_cache_bytes * (capacity + new_tokens)
+    assert (result.cache_bytes * num_layers * (bucket + new_tokens)
+            == result.full_cache_bytes * (sum(capacities) + num_layers * new_tokens))
     # Means over layers and KV heads, in float32: a miscounted slot moves the sum by 1 / (N * Hkv) >> 1e-3.
     assert result.kept_image_tokens[0] + result.kept_text_tokens[0] == pytest.approx(kept, abs=1e-3)
     chex.assert_shape(result.tokens, (1, new_tokens))
@@ -67,7 +75,7 @@ def test_every_method_generates_on_tiny_llava(tiny, tiny_prompt, name, params):
     method = _method(name, 0.4, **params)
     result = tiny.run(*tiny_prompt, max_new_tokens=4, method=method)
     if (name, params) != KEEPS_ALL_TEXT:
-        _check_sizes(result, method, 4)
+        _check_sizes(result, method, 4, tiny.text_config.num_layers)
     # Smaller exactly when the method keeps fewer slots than the bucket (not full, nor keep_all_text
     # without a capacity_ratio, whose static capacity is the whole bucket).
     assert result.bucket == 64 and (result.cache_bytes < result.full_cache_bytes) == (method.capacity(64) < 64)
@@ -161,7 +169,7 @@ def demo_prompt(demo):
 def test_every_method_generates_on_smollm2_demo(demo, demo_prompt, name, params):
     method = _method(name, 0.2, **params)
     result = demo.run(*demo_prompt, max_new_tokens=2, method=method)
-    _check_sizes(result, method, 2)
+    _check_sizes(result, method, 2, demo.text_config.num_layers)
     assert result.bucket == 768 and int(result.image_tokens[0]) == 512
     if name == "lookm" and not params:
         # Text-prior at a 20% budget: with fewer text tokens than N, every text token is kept.

@@ -13,10 +13,12 @@ from hypothesis import given, settings
 import reference_lookm as ref
 from lookm_jax import METHODS, get_method
 from lookm_jax.compression.methods import LookM, ScorerMethod
+from lookm_jax.compression.methods.base import LayerIndex
 from method_variants import DEFAULTS, VARIANTS, build, ids
 
 L = 24
 BUDGET = {"alpha_recent": 0.2, "alpha_important": 0.2}
+LAYER = (0, 3)  # methods with a per-layer split compress the first of three layers (the most slots)
 
 
 def _default(name, **kwargs):
@@ -25,12 +27,12 @@ def _default(name, **kwargs):
 
 @functools.lru_cache(maxsize=None)
 def _jitted(method):
-    """One compiled program per (method, shapes): the method is a static argument."""
-    return jax.jit(type(method).__call__, static_argnums=0)
+    """One compiled program per (method, shapes)."""
+    return jax.jit(lambda *arrays: method(*arrays, layer=LayerIndex(*LAYER)))
 
 
 def _run(method, q, k, v, is_image, valid):
-    return _jitted(method)(method, *(jnp.asarray(x) for x in (q, k, v, is_image, valid)))
+    return _jitted(method)(*(jnp.asarray(x) for x in (q, k, v, is_image, valid)))
 
 
 
@@ -44,7 +46,7 @@ def test_matches_reference(name, params):
     chex.assert_shape([out.keys, out.values], (2, 2, s, 8))
     chex.assert_shape([out.positions, out.mask], (2, 2, s))
     chex.assert_type([out.keys, out.positions, out.mask], [jnp.float32, jnp.int32, jnp.bool_])
-    ref.check_against(out, ref.run_method(name, {**BUDGET, **params}, *inputs))
+    ref.check_against(out, ref.run_method(name, {**BUDGET, **params}, *inputs, layer=LAYER))
 
 
 @pytest.mark.parametrize("hkv", [1, 4])
@@ -52,7 +54,8 @@ def test_matches_reference(name, params):
 def test_gqa_matches_reference(name, params, hkv):
     """1 and all KV heads (2 is covered above) with 4 query heads: group-averaged scores."""
     inputs = ref.make_inputs(1, hkv=hkv, length=16, lengths=[16, 11])
-    ref.check_against(_run(_default(name, **params), *inputs), ref.run_method(name, {**BUDGET, **params}, *inputs))
+    ref.check_against(_run(_default(name, **params), *inputs),
+                      ref.run_method(name, {**BUDGET, **params}, *inputs, layer=LAYER))
 
 
 @pytest.mark.parametrize("name", [name for name, _ in DEFAULTS])
@@ -73,7 +76,8 @@ def test_budget_and_padding(name, seed, lengths):
     pos, mask = np.asarray(out.positions), np.asarray(out.mask)
     for b, n_b in enumerate(lengths):
         if isinstance(method, ScorerMethod):
-            m_b, total = ref.budget(0.2, n_b), 2 * ref.budget(0.2, n_b)
+            m_b, n_max = ref.budget(0.2, n_b), ref.budget(0.2, L)
+            total = m_b + (ref.layer_ranked(m_b, n_max, *LAYER, "pyramid") if name == "pyramidkv" else m_b)
             tail = total - min(4, total) if name == "streamingllm" else m_b
         else:
             tail = total = n_b
@@ -119,7 +123,7 @@ def test_one_compilation_per_bucket():
 
 
 def test_get_method():
-    assert METHODS == ("full", "streamingllm", "h2o", "snapkv", "roco", "lookm")
+    assert METHODS == ("full", "streamingllm", "h2o", "snapkv", "pyramidkv", "roco", "lookm")
     assert get_method("lookm") == LookM(alpha_recent=0.1, alpha_important=0.1, merge="pivotal", text_prior=True)
     assert get_method("h2o", budget=0.2) == get_method("h2o", alpha_recent=0.1, alpha_important=0.1)
     assert get_method("full").capacity(100) == 100

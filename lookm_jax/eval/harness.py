@@ -33,7 +33,8 @@ ROW_SCHEMA = {
     "merge": Field(str, choices=("", *LOOKM_MERGES)), "budget": Field(float, 0, 1, open_low=True),
     "correct": Field(bool), "fidelity": Field(float, 0, 1), "seed": Field(int, 0, MAX_SEED), "sample": Field(int, 0),
     "prompt_tokens": Field(int, 1)}
-_LABELS = {"full": "full", "streamingllm": "StreamingLLM", "h2o": "H2O", "snapkv": "SnapKV", "roco": "RoCo"}
+_LABELS = {"full": "full", "streamingllm": "StreamingLLM", "h2o": "H2O", "snapkv": "SnapKV", "pyramidkv": "PyramidKV",
+           "roco": "RoCo"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,26 +11,37 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from lookm_jax.checks import is_int_at_least, is_real
+from lookm_jax.compression import budgets
 from lookm_jax.compression.compress import CompressedKV, SelectionSpec, compress_kv
 from lookm_jax.errors import InputError
 from lookm_jax.compression.scoring import column_stats
+
+
+class LayerIndex(NamedTuple):
+    """Which layer a method is compressing: its index (traced inside the layer loop) and the static
+    number of layers. Methods with per-layer budgets need it; the others ignore it."""
+
+    index: jax.Array | int
+    count: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Method(abc.ABC):
     """A KV-cache compression method.
 
-    ``capacity(bucket_len)`` is the static number of prompt slots it keeps for a bucket; calling
-    it on one layer, ``method(queries, keys, values, is_image, valid, stats=None)`` with queries
-    [B, Hq, L, D] and keys/values [B, Hkv, L, D] (RoPE applied), is_image/valid [B, L] bool,
-    returns a ``CompressedKV`` of that capacity. Pure and traceable with static shapes.
+    ``capacity(bucket_len)`` is the static number of prompt slots it keeps for a bucket, in its
+    largest layer; ``layer_capacities(bucket_len, num_layers)`` those of every layer. Calling it on
+    one layer, ``method(queries, keys, values, is_image, valid, stats=None, layer=None)`` with queries
+    [B, Hq, L, D] and keys/values [B, Hkv, L, D] (RoPE applied), is_image/valid [B, L] bool, layer a
+    ``LayerIndex``, returns a ``CompressedKV`` of ``capacity`` slots, of which the first
+    ``layer_capacities[layer]`` can be occupied. Pure and traceable with static shapes.
 
     ``statistics`` (a class constant, so static) names the column statistics of the prompt's
     causal attention that the method ranks by (``lookm_jax.compression.scoring.STATISTICS``). The prefill
@@ -43,8 +54,16 @@ class Method(abc.ABC):
     @abc.abstractmethod
     def capacity(self, bucket_len: int) -> int: ...
 
+    def layer_capacities(self, bucket_len: int, num_layers: int) -> tuple[int, ...]:
+        """Each layer's static prompt slots; default: ``capacity`` in every layer."""
+        return (self.capacity(bucket_len),) * num_layers
+
+    def cache_layout(self, bucket_len: int, num_layers: int) -> tuple:
+        """What shapes the method's decode cache (hashable): methods of equal layout decode together."""
+        return self.layer_capacities(bucket_len, num_layers), False  # (slots per layer, size-aware slots)
+
     @abc.abstractmethod
-    def __call__(self, queries, keys, values, is_image, valid, stats=None) -> CompressedKV: ...
+    def __call__(self, queries, keys, values, is_image, valid, stats=None, layer=None) -> CompressedKV: ...
 
     def queries_read(self, bucket_len: int) -> int | None:
         """How many of each row's last valid queries the method reads (beyond ``stats``); None: it
@@ -86,11 +105,17 @@ class ScorerMethod(Method):
     declares ``statistics`` gets them computed from queries and keys (``scoring.column_stats``, in
     query blocks of ``block`` rows) when called without ``stats``; ``block`` is also the token
     block of the merge's similarity scan.
+
+    ``layer_split`` splits the total over the layers (``lookm_jax.compression.budgets``): "uniform"
+    (M + N in every layer), "pyramid" (PyramidKV's linear schedule, steepness ``pyramid_beta``) or a
+    tuple of per-layer weights; the recent window stays whole in every layer.
     """
 
     alpha_recent: float = 0.1
     alpha_important: float = 0.1
     block: int = 128
+    layer_split: str | tuple[float, ...] = budgets.UNIFORM
+    pyramid_beta: float = 20.0
 
     def __post_init__(self):
         if not (_is_fraction(self.alpha_recent) and _is_fraction(self.alpha_important)
@@ -99,6 +124,7 @@ class ScorerMethod(Method):
                              "must be fractions in [0, 1] whose sum (the kept fraction of the prompt) is in (0, 1]")
         if not is_int_at_least(self.block, 1):
             raise InputError(f"block must be an int >= 1, got {self.block!r}")
+        budgets.check_split(self.layer_split, self.pyramid_beta)
         self.selection()  # validates the spec
 
     # ---- what a subclass writes ----------------------------------------------------------------
@@ -119,9 +145,26 @@ class ScorerMethod(Method):
         return 0  # the score reads queries only through ``stats``
 
     # ---- what the base does --------------------------------------------------------------------
+    def bucket_slots(self, bucket_len: int) -> tuple[int, int]:
+        """(M, N) of a row filling the bucket."""
+        return math.floor(self.alpha_recent * bucket_len), math.floor(self.alpha_important * bucket_len)
+
     def capacity(self, bucket_len: int) -> int:
-        total = math.floor(self.alpha_recent * bucket_len) + math.floor(self.alpha_important * bucket_len)
-        return min(bucket_len, total)
+        recent, ranked = self.bucket_slots(bucket_len)
+        if self.layer_split == budgets.UNIFORM:
+            return min(bucket_len, recent + ranked)
+        # The largest layer's bound; weights of mean 1 give a layer at most max(w) N + 1 whatever the depth.
+        if self.layer_split == budgets.PYRAMID:
+            largest = 2 - 1 / self.pyramid_beta
+        else:
+            largest = max(self.layer_split) * len(self.layer_split) / sum(self.layer_split)
+        return min(bucket_len, recent + math.ceil(largest * ranked) + 1)
+
+    def layer_capacities(self, bucket_len: int, num_layers: int) -> tuple[int, ...]:
+        if self.layer_split == budgets.UNIFORM:
+            return super().layer_capacities(bucket_len, num_layers)
+        return budgets.layer_capacities(self.layer_split, num_layers, self.pyramid_beta, *self.bucket_slots(bucket_len),
+                                        bucket_len)
 
     def budgets(self, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Per-row (M, N), each [B] int32."""
@@ -138,14 +181,29 @@ class ScorerMethod(Method):
             f"budget that keeps one is {smallest_fraction(2, shortest):g} (or one alpha of "
             f"{smallest_fraction(1, shortest):g})")
 
-    def __call__(self, queries, keys, values, is_image, valid, stats=None) -> CompressedKV:
+    def cache_layout(self, bucket_len: int, num_layers: int) -> tuple:
+        return self.layer_capacities(bucket_len, num_layers), self.selection().size_aware
+
+    def layer_slots(self, valid: jax.Array, layer: LayerIndex | None) -> tuple[jax.Array, jax.Array]:
+        """(recent window, ranked slots) per row in this layer, each [B] int32: ``slots`` with the ranked
+        ones cut to the layer's share (``layer_split``)."""
+        n_recent, n_important = self.slots(valid)
+        if self.layer_split == budgets.UNIFORM:
+            return n_recent, n_important
+        if layer is None:
+            raise ValueError(f"layer_split={self.layer_split!r} needs the layer (layer=LayerIndex(index, count))")
+        table = budgets.slot_table(self.layer_split, layer.count, self.pyramid_beta,
+                                   self.bucket_slots(valid.shape[-1])[1])  # [N_layers, N_max + 1]
+        return n_recent, jnp.asarray(table)[layer.index][n_important]
+
+    def __call__(self, queries, keys, values, is_image, valid, stats=None, layer=None) -> CompressedKV:
         if self.statistics:
             if stats is None:
                 stats = column_stats(queries, keys, valid, self.statistics, block=self.block)
             missing = set(self.statistics) - set(stats)
             if missing:
                 raise ValueError(f"{type(self).__name__} needs attention statistics {sorted(missing)}")
-        n_recent, n_important = self.slots(valid)
+        n_recent, n_important = self.layer_slots(valid, layer)
         m, _ = self.budgets(valid)
         return compress_kv(
             keys, values, self.score(queries, keys, valid, stats, m), is_image=is_image, valid=valid,

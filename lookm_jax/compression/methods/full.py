@@ -20,7 +20,7 @@ class Full(Method):
     def queries_read(self, bucket_len: int) -> int:
         return 0
 
-    def __call__(self, queries, keys, values, is_image, valid, stats=None) -> CompressedKV:
+    def __call__(self, queries, keys, values, is_image, valid, stats=None, layer=None) -> CompressedKV:
         b, h, length, _ = keys.shape
         mask = jnp.broadcast_to(valid[:, None, :], (b, h, length))  # [B, Hkv, L]
         positions = jnp.where(mask, jnp.arange(length, dtype=jnp.int32), -1)

@@ -36,6 +36,8 @@ class LookM(ScorerMethod):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.keep_all_text and self.layer_split != "uniform":
+            raise InputError("keep_all_text needs layer_split='uniform' (its capacity is not M + N)")
         if self.capacity_ratio is not None and not self.keep_all_text:
             raise InputError("capacity_ratio only applies with keep_all_text=True")
         if self.capacity_ratio is not None and not (is_real(self.capacity_ratio) and 0 < self.capacity_ratio <= 1):

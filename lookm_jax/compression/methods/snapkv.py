@@ -60,3 +60,12 @@ class SnapKV(ScorerMethod):
         return window_scores(queries, keys, valid, valid & ~recent_mask(valid, n_recent), window,
                              max_window=self.queries_read(keys.shape[2]), kernel_size=self.kernel_size,
                              pooling=self.pooling)
+
+
+@dataclasses.dataclass(frozen=True)
+class PyramidKV(SnapKV):
+    """PyramidKV (Cai et al. 2024): SnapKV's scores, with the budget split over the layers in a pyramid
+    (``layer_split="pyramid"``: many slots in the first layers, few in the last; the same total as
+    SnapKV's uniform budget). Its own defaults otherwise: window 32, max pooling of width 7, beta 20."""
+
+    layer_split: str | tuple[float, ...] = "pyramid"

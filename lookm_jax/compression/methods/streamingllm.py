@@ -7,6 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from lookm_jax.compression.compress import SelectionSpec
+from lookm_jax.errors import InputError
 from lookm_jax.compression.methods.base import ScorerMethod
 
 
@@ -25,6 +26,12 @@ class StreamingLLM(ScorerMethod):
     """
 
     n_sink: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.layer_split != "uniform":
+            raise InputError("streamingllm ranks nothing, so it has no ranked slots to split over layers "
+                             "(layer_split must be 'uniform')")
 
     def selection(self) -> SelectionSpec:
         return SelectionSpec(n_sink=self.n_sink)
