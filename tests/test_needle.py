@@ -216,6 +216,22 @@ def test_sweep_configs_cover_every_method_and_lookm_variant():
         harness.sweep_configs(["h2o"], [0.0])
 
 
+def test_sweep_configs_take_methods_with_options():
+    spec = "lookm:image_quota=proportional,merge_scope=same_modality,size_aware=True,merge=averaged"
+    configs = harness.sweep_configs(["h2o", spec, "h2o:layer_split=3/1"], [0.1, 0.2])
+    assert [c.label for c in configs] == ["full"] + ["H2O", spec, "h2o:layer_split=3/1"] * 2
+    lookm = configs[2].build()
+    assert (lookm.image_quota, lookm.merge_scope, lookm.size_aware, lookm.merge, lookm.alpha_recent) == (
+        "proportional", "same_modality", True, "averaged", 0.05)
+    assert configs[3].build().layer_split == (3.0, 1.0)
+    with pytest.raises(InputError, match="takes no colour"):
+        harness.sweep_configs(["lookm:colour=red"], [0.1])
+    with pytest.raises(ValueError, match="unknown method in spec"):
+        harness.sweep_configs(["bogus:a=1"], [0.1])
+    with pytest.raises(ValueError, match="options are key=value"):
+        harness.sweep_configs(["lookm:merge"], [0.1])
+
+
 # ---- the sweep on the tiny model ------------------------------------------------------------------
 
 

@@ -39,14 +39,18 @@ _LABELS = {"full": "full", "streamingllm": "StreamingLLM", "h2o": "H2O", "snapkv
 
 @dataclasses.dataclass(frozen=True)
 class SweepConfig:
-    """One cache configuration of the sweep; text_prior/merge are LOOK-M's options ("" otherwise)."""
+    """One cache configuration of the sweep; text_prior/merge are LOOK-M's options ("" otherwise);
+    `spec` a method with options, as `--methods` takes it ("lookm:image_quota=0.5,merge=None")."""
     method: str
     budget: float  # kept fraction of the prompt; 1.0 for the full cache
     text_prior: str = ""  # "1" | "0" | ""
     merge: str = ""  # "none" | "averaged" | "pivotal" | "weighted" | ""
+    spec: str = ""
 
     @property
     def label(self) -> str:
+        if self.spec:
+            return self.spec
         if self.method != "lookm":
             return _LABELS.get(self.method, self.method)
         prior = "text-prior" if self.text_prior == "1" else "no text-prior"
@@ -58,16 +62,49 @@ class SweepConfig:
         if self.method == "full":
             return get_method("full")
         options = {}
-        if self.method == "lookm":
+        if self.spec:
+            options = parse_spec(self.spec)[1]
+        elif self.method == "lookm":
             options = {"text_prior": self.text_prior == "1", "merge": None if self.merge == "none" else self.merge}
         return get_method(self.method, budget=self.budget, **options)
 
 
+def _option_value(text: str):
+    """An option's value as written in a spec: None, True/False, an int, a float, a tuple of numbers
+    ("1/2/3"), or else the text itself."""
+    if text in ("None", "True", "False"):
+        return {"None": None, "True": True, "False": False}[text]
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    if "/" in text:
+        return tuple(float(x) for x in text.split("/"))
+    return text
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """"name:key=value,key=value" -> (name, options); a bare name has none."""
+    name, _, rest = spec.partition(":")
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"method spec {spec!r}: options are key=value, separated by commas; got {item!r}")
+        options[key] = _option_value(value)
+    return name, options
+
+
 def sweep_configs(methods, budgets) -> list[SweepConfig]:
     """The full cache once, then every other method at every budget; "lookm" expands to its 8
-    variants (text-prior on/off x merge none/averaged/pivotal/weighted)."""
+    variants (text-prior on/off x merge none/averaged/pivotal/weighted); a spec with options
+    ("lookm:image_quota=0.5,merge_scope=same_modality") is one configuration, built once here so a
+    wrong option is refused before the sweep starts."""
     from lookm_jax.compression.methods import METHODS
 
+    specs = [m for m in methods if ":" in m]
+    methods = [m for m in methods if ":" not in m]
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}; known: {', '.join(METHODS)}")
@@ -80,6 +117,13 @@ def sweep_configs(methods, budgets) -> list[SweepConfig]:
                 configs += [SweepConfig(name, budget, prior, merge) for prior in ("1", "0") for merge in LOOKM_MERGES]
             else:
                 configs.append(SweepConfig(name, budget))
+        for spec in specs:
+            name = parse_spec(spec)[0]
+            if name not in METHODS or name == "full":
+                raise ValueError(f"unknown method in spec {spec!r}; known: {', '.join(m for m in METHODS if m != 'full')}")
+            config = SweepConfig(name, budget, spec=spec)
+            config.build()  # refuses an unknown or invalid option by name
+            configs.append(config)
     return configs
 
 

@@ -216,7 +216,8 @@ def add_parser(subparsers) -> None:
                    help="samples per task and picture count (a multiple of --batch-size compiles once)")
     p.add_argument("--budgets", type=float, nargs="+",
                    help=f"kept fractions of the prompt to sweep, each in (0, 1] (default: {' '.join(map(str, harness.DEFAULT_BUDGETS))})")
-    p.add_argument("--methods", nargs="+", help="methods to sweep (default: all; lookm = its 8 variants)")
+    p.add_argument("--methods", nargs="+", help="methods to sweep (default: all; lookm = its 8 variants; with options: "
+                   "\"lookm:image_quota=proportional,merge_scope=same_modality\", weights as 1/2/3)")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the bench split's pictures and questions")
     p.add_argument("--batch-size", type=int, default=4, help="samples prefilled together")
     p.add_argument("--max-new-tokens", type=int, default=16,
