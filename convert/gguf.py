@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from lookm_jax.convert.tables import Source
+from lookm_jax.convert.tables import CheckpointError, Source
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -116,9 +116,9 @@ def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:
         reader = _Reader(path)
+        meta = {key: field.contents() for key, field in reader.fields.items()}  # decodes strings: may fail too
     except Exception as e:  # gguf raises ValueError / IndexError / ... on truncated or corrupt files
-        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from e
-    meta = {key: field.contents() for key, field in reader.fields.items()}
+        raise CheckpointError(f"{path} is not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from e
     _check_keys(meta, path)
     config = _config(meta, {t.name for t in reader.tensors}, path)
     return GGUFCheckpoint(
@@ -135,7 +135,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
 def _check_keys(meta: dict, path: str) -> None:
     arch = meta.get("general.architecture")
     if arch != "llama":
-        raise ValueError(f"{path}: general.architecture={arch!r} is not supported (only 'llama')")
+        raise CheckpointError(f"{path}: general.architecture={arch!r} is not supported (only 'llama')")
     for key in meta:
         known = (
             key.startswith(("GGUF.", "general."))  # file header and informational metadata
@@ -143,18 +143,18 @@ def _check_keys(meta: dict, path: str) -> None:
             or key in _TOKENIZER_KEYS
         )
         if not known:
-            raise ValueError(f"{path}: unsupported GGUF metadata field {key!r}")
+            raise CheckpointError(f"{path}: unsupported GGUF metadata field {key!r}")
 
 
 def _config(meta: dict, tensor_names: set[str], path: str) -> dict:
     def get(key, default=None):
         value = meta.get(f"llama.{key}", default)
         if value is None:
-            raise ValueError(f"{path}: missing GGUF metadata field 'llama.{key}'")
+            raise CheckpointError(f"{path}: missing GGUF metadata field 'llama.{key}'")
         return value
 
     def refuse(key, value, why):
-        raise ValueError(f"{path}: GGUF metadata field {key!r}={value!r} is not supported ({why})")
+        raise CheckpointError(f"{path}: GGUF metadata field {key!r}={value!r} is not supported ({why})")
 
     hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
     n_kv_heads = get("attention.head_count_kv", n_heads)
@@ -171,7 +171,7 @@ def _config(meta: dict, tensor_names: set[str], path: str) -> dict:
         refuse("rope_freqs.weight", "tensor", "llama-3 RoPE frequency factors")
     vocab = meta.get("llama.vocab_size", len(meta.get("tokenizer.ggml.tokens", ())))
     if not vocab:
-        raise ValueError(f"{path}: neither 'llama.vocab_size' nor 'tokenizer.ggml.tokens' gives the vocabulary size")
+        raise CheckpointError(f"{path}: neither 'llama.vocab_size' nor 'tokenizer.ggml.tokens' gives the vocabulary size")
 
     def token_id(name):
         value = meta.get(f"tokenizer.ggml.{name}")
@@ -281,10 +281,10 @@ class _GGUFTensor:
         try:
             w = _dequantize(t)  # [out, in]: gguf reverses ggml's ne order
         except NotImplementedError as e:
-            raise ValueError(f"{self.path}: tensor {t.name!r} has unsupported type {t.tensor_type.name}") from e
+            raise CheckpointError(f"{self.path}: tensor {t.name!r} has unsupported type {t.tensor_type.name}") from e
         w = np.asarray(w, dtype=np.float32)
         if w.shape != self.shape:
-            raise ValueError(f"{self.path}: tensor {t.name!r} has shape {w.shape}, expected {self.shape}")
+            raise CheckpointError(f"{self.path}: tensor {t.name!r} has shape {w.shape}, expected {self.shape}")
         if self.heads:
             return _unpermute_rows(w, self.heads)
         return w.copy() if not w.flags.writeable else w  # F32 tensors come back as views of the read-only file map
@@ -301,11 +301,11 @@ def _tensors(reader: GGUFReader, config: dict, path: str) -> Source:
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name not in shapes:
-            raise ValueError(f"{path}: unexpected tensor {t.name!r} for a llama checkpoint")
+            raise CheckpointError(f"{path}: unexpected tensor {t.name!r} for a llama checkpoint")
         handles[name] = _GGUFTensor(t, shapes[name], heads.get(name.split(".", 3)[-1]), path)
     missing = sorted(set(shapes) - set(handles) - {"lm_head.weight"})
     if missing:
-        raise ValueError(f"{path}: missing tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+        raise CheckpointError(f"{path}: missing tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}")
     return Source(handles)
 
 
@@ -315,7 +315,7 @@ def _tokenizer(meta: dict, vocab_size: int, path: str) -> Tokenizer:
     def require(key, allowed):
         value = meta.get(key)
         if value not in allowed:
-            raise ValueError(f"{path}: GGUF metadata field {key!r}={value!r} is not supported (supported: {allowed})")
+            raise CheckpointError(f"{path}: GGUF metadata field {key!r}={value!r} is not supported (supported: {allowed})")
         return value
 
     require("tokenizer.ggml.model", ("gpt2",))
@@ -324,16 +324,16 @@ def _tokenizer(meta: dict, vocab_size: int, path: str) -> Tokenizer:
         require(f"tokenizer.ggml.{flag}", (None, False))
     missing = [key for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges") if key not in meta]
     if missing:
-        raise ValueError(f"{path}: missing GGUF metadata fields {missing}")
+        raise CheckpointError(f"{path}: missing GGUF metadata fields {missing}")
     tokens, merges = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.merges"]
     types = meta.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens))
     if set(types) - {_NORMAL, _CONTROL}:
-        raise ValueError(
+        raise CheckpointError(
             f"{path}: tokenizer.ggml.token_type has types {sorted(set(types) - {_NORMAL, _CONTROL})}; "
             f"supported: {_NORMAL} (normal), {_CONTROL} (control)"
         )
     if len(tokens) != vocab_size or len(types) != vocab_size:
-        raise ValueError(f"{path}: tokenizer.ggml.tokens has {len(tokens)} entries, the model {vocab_size}")
+        raise CheckpointError(f"{path}: tokenizer.ggml.tokens has {len(tokens)} entries, the model {vocab_size}")
 
     bpe = models.BPE(vocab={tok: i for i, tok in enumerate(tokens)}, merges=[tuple(m.split(" ")) for m in merges])
     tokenizer = Tokenizer(bpe)

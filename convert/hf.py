@@ -12,7 +12,7 @@ from lookm_jax.convert import original_llava, safetensors_io, tables
 from lookm_jax.convert.internvl import internvl_vision_params
 from lookm_jax.convert.qwen2_vl import qwen2_vl_vision_params
 from lookm_jax.convert.tables import CheckpointError, apply_table, read_json_object
-from lookm_jax.models.config import LlamaConfig, LlavaConfig
+from lookm_jax.models.config import ConfigError, LlamaConfig, LlavaConfig
 from lookm_jax.models.internvit import InternViTLlavaConfig
 from lookm_jax.models.internvl import InternVLConfig
 from lookm_jax.models.mobilevlm import MobileVLMConfig
@@ -33,12 +33,26 @@ CONFIG_PARSERS: dict[str, Callable[[dict[str, Any]], Any]] = {
 }
 
 
+_NESTED = ("text_config", "vision_config", "llm_config", "rope_parameters", "rope_scaling")  # objects, if present
+
+
 def parse_config(hf_config: dict[str, Any]) -> ModelConfig:
     """An HF config dict -> our frozen config; refuses what it cannot honour."""
     model_type = hf_config.get("model_type")
-    if model_type not in CONFIG_PARSERS:
+    if not isinstance(model_type, str) or model_type not in CONFIG_PARSERS:
         raise CheckpointError(f"unsupported model_type {model_type!r} (supported: {sorted(CONFIG_PARSERS)})")
-    return CONFIG_PARSERS[model_type](hf_config)
+    for name in _NESTED:
+        for where, d in (("", hf_config), *((f"{k}.", v) for k, v in hf_config.items() if isinstance(v, dict))):
+            if d.get(name) is not None and not isinstance(d[name], dict):
+                raise ConfigError(f"config.json: {where}{name} must be an object, got {d[name]!r}")
+    try:
+        return CONFIG_PARSERS[model_type](hf_config)
+    except (ConfigError, CheckpointError):
+        raise
+    except (TypeError, AttributeError, KeyError, ValueError, OverflowError) as e:
+        # A field of another JSON type than the parser reads (a string where a number belongs), or missing.
+        raise ConfigError(f"config.json ({model_type}): a field is missing or of the wrong type "
+                          f"({type(e).__name__}: {e})") from None
 
 
 def _shard_files(folder: str) -> list[str]:

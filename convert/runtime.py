@@ -50,9 +50,9 @@ def text_params(cfg: LlamaConfig, jobs: list[Job], dtype, place: Callable[[str, 
     for path, index, take in jobs:
         name, shape, part, layout = targets[path.rsplit(".", 1)[-1]]
         key = (index, name)
+        piece = take()  # checked against the config's shapes before the runtime tensor is allocated
         if key not in filling:
             filling[key] = [aligned_empty(shape, dtype), _PARTS.get(name, 1)]
-        piece = take()
         copy_into(part(filling[key][0]), layout(piece))  # cast to dtype while copied
         del piece  # before `place`: the runtime tensor is all that is left of it
         filling[key][1] -= 1

@@ -265,6 +265,10 @@ def table_jobs(tensors, table, prefix: str, num_layers: int, shapes: dict, skip:
     so it is freed as soon as the caller drops it. Rows in table order, each row's layers in
     turn; `layer_major`: the rows without layers, then every layer's rows together, layer after
     layer. A tensor missing from any row is refused here, before one is read."""
+    last_layer = [prefix + hf_name.format(i=num_layers - 1) for ours, hf_name, _ in table
+                  if ours not in skip and "{i}" in hf_name]  # before listing every layer's names (a config may say 2**31)
+    if last_layer and last_layer[0] not in tensors:
+        raise CheckpointError(f"the config gives {num_layers} layers, and the checkpoint lacks {last_layer[0]}")
     rows = [(ours, _row_names(prefix, hf_name, num_layers), "{i}" in hf_name, transform or (lambda a: a))
             for ours, hf_name, transform in table if ours not in skip]
     missing = [n for _, names, _, _ in rows for n in names if n not in tensors]

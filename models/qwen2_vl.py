@@ -195,7 +195,8 @@ class Qwen2VLConfig:
         _require(text_type in ("qwen2_vl_text", "qwen2_vl"), text_where, "model_type", text_type, "'qwen2_vl_text'")
         text = {**_TEXT_DEFAULTS, **text, "model_type": "qwen2"}
         # HF's attention takes head_dim = hidden_size / heads, whatever a config says.
-        text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]
+        heads = text["num_attention_heads"]  # 0 or fewer: refused by LlamaConfig, naming the field
+        text["head_dim"] = text["hidden_size"] // heads if isinstance(heads, int) and heads > 0 else 0
         text["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False) or text.get("tie_word_embeddings"))
         scaling = dict(text.pop("rope_scaling", None) or {})  # the hub's older spelling
         if "type" in scaling:
