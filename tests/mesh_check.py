@@ -90,11 +90,11 @@ def collectives(hlo: str) -> list[tuple[str, list[tuple[int, ...]]]]:
     return found
 
 
-def per_head_collectives(hlo: str) -> list[tuple[str, list[tuple[int, ...]]]]:
+def per_head_collectives(hlo: str, head_dim: int = D, lengths=PER_HEAD_LENGTHS) -> list[tuple[str, list[tuple[int, ...]]]]:
     """Collectives that move a per-head array: K, V, Q or the cache ([.., T, D]), or positions,
     scores, statistics or selections ([.., T] of rank >= 3), T a prompt or cache length."""
     def per_head(shape):
-        return len(shape) >= 3 and (shape[-1] == D or shape[-1] in PER_HEAD_LENGTHS)
+        return len(shape) >= 3 and (shape[-1] == head_dim or shape[-1] in lengths)
 
     return [(op, shapes) for op, shapes in collectives(hlo) if any(map(per_head, shapes))]
 
@@ -266,3 +266,47 @@ def test_load_places_each_parameter_split_over_the_mesh(tmp_path, prompt):
     assert halves >= 2 * 4 + 2  # per decoder layer w_qkv, wo, w_gate_up, w_down; embed, lm_head (and the tower's)
     np.testing.assert_allclose(split.logits(prompt[0], prompt[1], attention_mask=prompt[2]),
                                single.logits(prompt[0], prompt[1], attention_mask=prompt[2]), atol=1e-5, rtol=0)
+
+
+def test_qwen2_vl_on_a_mesh_equals_single_device(tmp_path_factory):
+    """A second architecture on the 2x2 mesh: Qwen2-VL (M-RoPE positions, dynamic-resolution patches
+    of three sizes, GQA 6/2 heads of width 16), loaded straight onto the mesh. LOOK-M's tokens and
+    compressed context equal one device's; the cache stays split over rows and KV heads; no collective
+    of the compiled prefill, context prefill or decode moves a per-head array."""
+    from lookm_jax.models.qwen2_vl import Pixels
+    from lookm_jax.models.qwen2_vl_processing import Qwen2VLImageProcessorConfig, preprocess_patches
+    from tests.test_qwen2_vl import END, IMAGE_TOKEN, PROCESSOR, START, _images, tiny_qwen2_vl
+
+    path = tmp_path_factory.mktemp("qwen2_vl")
+    tiny_qwen2_vl(path)
+    folder = str(path)
+    single = lookm_jax.load(folder)
+    mesh = sharding.make_mesh(2, 2)
+    on_mesh = lookm_jax.load(folder, mesh=mesh)
+    patches, grid = preprocess_patches(_images(), Qwen2VLImageProcessorConfig(**PROCESSOR))
+    tokens = [int(t * h * w) // 4 for t, h, w in grid]
+    image = lambda n: [START] + [IMAGE_TOKEN] * tokens[n] + [END]  # noqa: E731
+    rows = [[0, 1] + image(0) + [2, 3] + image(1) + [4, 5, 2], [3] + image(2) + [0, 1, 2, 3, 4, 5, 0, 1]]
+    width = max(map(len, rows))
+    ids = np.asarray([r + [0] * (width - len(r)) for r in rows], np.int32)
+    mask = np.asarray([[1] * len(r) + [0] * (width - len(r)) for r in rows], np.int32)
+    pixels = Pixels(patches, grid)
+    method = get_method("lookm", budget=0.4)
+
+    ref = single.run(ids, pixels, attention_mask=mask, max_new_tokens=NEW, method=method)
+    got = on_mesh.run(ids, pixels, attention_mask=mask, max_new_tokens=NEW, method=method)
+    np.testing.assert_array_equal(got.tokens, ref.tokens)
+    ref_ctx, ctx = (m.prefill_context(ids, pixels, attention_mask=mask, method=method) for m in (single, on_mesh))
+    np.testing.assert_array_equal(ctx.cache.positions, ref_ctx.cache.positions)
+    np.testing.assert_allclose(ctx.cache.keys, ref_ctx.cache.keys, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(ctx.cache.next_position, ref_ctx.cache.next_position)  # M-RoPE's max + 1
+    kv_split = NamedSharding(mesh, sharding.KV_SPEC)
+    assert all(k.sharding.is_equivalent_to(kv_split, 4) for k in ctx.cache.layer_keys + ctx.cache.layer_values)
+    bucket, cfg = got.bucket, on_mesh.text_config
+    kept = method.capacity(bucket)
+    lengths = {bucket, kept, kept + NEW, bucket + NEW}
+    programs = [p for value in on_mesh._compiled.values() for p in (value if isinstance(value, tuple) else (value,))]
+    assert len(programs) == 3  # run's prefill and decode, the context's prefill
+    for program in programs:
+        moved = per_head_collectives(program.as_text(), cfg.head_dim, lengths)
+        assert not moved, f"collectives move per-head arrays: {moved}"
