@@ -56,6 +56,11 @@ class KVCache:
         """Bytes of keys and values (what decode reads each step)."""
         return sum(a.nbytes for a in self.layer_keys + self.layer_values)
 
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot of every layer (keys and values): what one more token costs."""
+        return sum(v.nbytes // v.shape[2] * 2 for v in self.layer_values)  # keys and values are the same size
+
     # Stacked [N, B, Hkv, S(, D)] views in the largest layer's frame (a smaller layer's missing slots
     # empty), for inspection and tests; each call builds a new array.
     def _stacked(self, layers, slot_axis: int, fill) -> jax.Array:

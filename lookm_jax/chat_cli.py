@@ -44,13 +44,14 @@ def start(args, model, context_text: str, images: list):
 def describe_context(conversation, method: str) -> str:
     """One line: the context's tokens and its compressed cache's size (printed once)."""
     context = conversation.context
-    length, bucket, kept = int(context.prompt_lengths[0]), context.bucket, context.prompt_slots
+    length, bucket = int(context.prompt_lengths[0]), context.bucket
     image_id = conversation.model.config.image_token_id if conversation.model.is_multimodal else None
     image = sum(t == image_id for t in conversation.token_ids[:length])
-    per_slot = context.cache.nbytes / context.cache.capacity
+    cache = context.cache
+    kept = cache.nbytes / cache.slot_bytes  # mean slots per layer (a per-layer split keeps different numbers)
     return (f"context: {length} tokens ({image} image, {length - image} text), bucket {bucket}; method "
-            f"{method}: KV cache {per_slot * kept / 2**20:.2f} MiB after compression, "
-            f"{per_slot * bucket / 2**20:.2f} MiB full ({kept} of {bucket} slots per layer and KV head kept)")
+            f"{method}: KV cache {cache.nbytes / 2**20:.2f} MiB after compression, "
+            f"{cache.slot_bytes * bucket / 2**20:.2f} MiB full ({kept:g} of {bucket} slots per layer and KV head kept)")
 
 
 def sampling_kwargs(args) -> dict:

@@ -326,8 +326,8 @@ def _ask_after(model, prompt: Prompt, pixels, method, max_new_tokens: int):
     context = model.prefill_context(prompt.input_ids[:, :prompt.question_start], pixels, method=method)
     answer = model.ask(context, prompt.input_ids[:, prompt.question_start:], max_new_tokens=max_new_tokens)
     image, text = context.kept_by_modality()
-    slot_bytes = context.cache.nbytes // context.cache.capacity
-    new_slots = answer.cache_bytes // slot_bytes - context.prompt_slots
+    slot_bytes = context.cache.slot_bytes
+    new_slots = (answer.cache_bytes - context.cache.nbytes) // slot_bytes
     return GenerationResult(
         tokens=answer.tokens, lengths=answer.lengths, prompt_lengths=np.asarray([prompt.input_ids.shape[1]]),
         image_tokens=(prompt.input_ids == model.config.image_token_id).sum(1), kept_image_tokens=image,
