@@ -423,3 +423,62 @@ def test_the_question_asked_after_compression(tiny_folder, tmp_path, capsys):
     prompt = mb.build_prompt(lookm_jax.load(tiny_folder), mb.load_dataset(FIXTURE, "ActionLocalization")[0], 10_000)
     assert 0 < prompt.question_start < prompt.input_ids.shape[1]
     assert (prompt.input_ids[0, prompt.question_start:] != 250).all()  # the question: text after the last image
+
+
+# ---- a grid processor (Qwen2-VL): each picture's tokens depend on its size ------------------------------
+@pytest.fixture(scope="module")
+def grid_model_and_fixture(tmp_path_factory):
+    """A tiny Qwen2-VL and a copy of the fixture whose needle pictures have three different sizes."""
+    import lookm_jax
+    from tests.test_qwen2_vl import SIZES, _images, tiny_qwen2_vl
+
+    folder = tmp_path_factory.mktemp("tiny_qwen2_vl_milebench")
+    tiny_qwen2_vl(folder)
+    root = tmp_path_factory.mktemp("milebench_sizes")
+    for name in ("TextNeedleInAHaystack", "ActionLocalization"):
+        shutil.copytree(os.path.join(FIXTURE, name), root / name)
+    for name in ("TextNeedleInAHaystack", "ActionLocalization"):
+        pictures = sorted(os.listdir(root / name / "images"))
+        for picture, image in zip(pictures, _images(SIZES[:len(pictures)])):
+            image.save(root / name / "images" / picture)
+    return lookm_jax.load(str(folder)), str(folder), str(root)
+
+
+def test_grid_processor_prompts_count_each_picture_s_own_tokens(grid_model_and_fixture):
+    """Left truncation drops whole pictures, each costing its own placeholder tokens (its grid), and the
+    prompt carries the kept pictures' grids for `encode_chat` and the pixels."""
+    import lookm_jax
+    from tests.test_qwen2_vl import IMAGE_TOKEN as PAD
+
+    model, _, root = grid_model_and_fixture
+    sample = mb.load_dataset(root, "TextNeedleInAHaystack")[0]
+    grids = mb.image_tiles(model, sample.images)
+    counts = mb.image_token_counts(model, grids, len(sample.images))
+    placeholders = [t * h * w // 4 for t, h, w in grids]
+    assert len(set(placeholders)) == 3 and counts == [n + 2 for n in placeholders]  # + vision start and end
+    full = mb.build_prompt(model, sample, 10_000)
+    assert (full.input_ids == PAD).sum() == sum(placeholders) and full.image_tiles == tuple(grids)
+    seen = set()
+    for limit in range(full.input_ids.shape[1] - 1, 0, -7):
+        try:
+            prompt = mb.build_prompt(model, sample, limit)
+        except lookm_jax.PromptTooLongError:
+            break
+        k = len(prompt.images)
+        seen.add(k)
+        assert prompt.truncated and prompt.input_ids.shape[1] <= limit
+        assert prompt.images == sample.images[3 - k:] and prompt.image_tiles == tuple(grids[3 - k:])
+        assert (prompt.input_ids == PAD).sum() == sum(placeholders[3 - k:])
+    assert seen >= {0, 1, 2}  # every cut: all but the pictures that fit dropped
+
+
+def test_grid_processor_end_to_end_in_prompt_and_after_compression(grid_model_and_fixture, tmp_path):
+    from lookm_jax.cli import main
+
+    _, folder, root = grid_model_and_fixture
+    for extra in ([], ["--ask-after-compression"]):
+        assert main(["eval", "milebench", root, "--model", folder, "--datasets", "ActionLocalization", "--method",
+                     "lookm", "--budget", "0.5", "--max-new-tokens", "3", "--output", str(tmp_path), *extra]) == 0
+    records = mb.read_predictions(str(tmp_path / mb.PREDICTIONS))
+    assert len(records) == 4 and len({r["image_tokens"] for r in records}) > 1  # pictures of different sizes
+    assert [r["image_tokens"] for r in records[:2]] == [r["image_tokens"] for r in records[2:]]

@@ -23,6 +23,7 @@ the groups present) in `OUTPUT/milebench_datasets.csv` and `OUTPUT/milebench_gro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -194,6 +195,7 @@ class Prompt:
     images: tuple[str, ...]  # the images kept, in order
     truncated: bool
     question_start: int  # where the text after the last image (the question) starts in input_ids
+    image_tiles: tuple | None = None  # the kept images' tiles or grids (tiling and grid processors), else None
 
 
 def render(instruction: str, texts: list[str] | tuple[str, ...]) -> str:
@@ -202,16 +204,17 @@ def render(instruction: str, texts: list[str] | tuple[str, ...]) -> str:
     return prompt.replace(IMAGE_MARKER * 2, (IMAGE_MARKER + "\n") * 2)
 
 
-def _suffix(sample: Sample, budget: int, image_tokens: int, tokenizer) -> list[str]:
-    """The context texts (question last) of the longest suffix costing <= budget tokens, question aside.
+def _suffix(sample: Sample, budget: int, image_tokens: list[int], tokenizer) -> list[str]:
+    """The context texts (question last) of the longest suffix costing <= budget tokens, question aside;
+    image_tokens: each image's placeholder tokens, in order.
 
     Returns k + 1 texts for the last k images; the first may be the tail of a longer text.
     """
     kept = [sample.texts[-1]]
-    for text in reversed(sample.texts[:-1]):  # each of these texts is followed by an image
-        if image_tokens > budget:
+    for text, tokens in zip(reversed(sample.texts[:-1]), reversed(image_tokens)):  # text j is followed by image j
+        if tokens > budget:
             return kept
-        budget -= image_tokens
+        budget -= tokens
         ids = tokenizer.encode(text, add_special_tokens=False).ids
         if len(ids) > budget:
             return [tokenizer.decode(ids[len(ids) - budget:]) if budget else ""] + kept
@@ -220,32 +223,58 @@ def _suffix(sample: Sample, budget: int, image_tokens: int, tokenizer) -> list[s
     return kept
 
 
+def image_tiles(model, images) -> list | None:
+    """Each image's tiles or grid as the model's processor sees it (tiling and grid processors:
+    InternVL's tile counts, Qwen2-VL's grids), None for a fixed number of tokens per image."""
+    if not model.processor.tiling or not images:
+        return None
+    return list(model.preprocess_images([open_image(p).convert("RGB") for p in images])[1])
+
+
+def image_token_counts(model, tiles: list | None, n_images: int) -> list[int]:
+    """Tokens each image's marker expands to (placeholders and any start / end tokens)."""
+    if tiles is None:
+        return [model.config.image_seq_length] * n_images
+    encode = functools.partial(model.processor.encode, model.tokenizer)
+    return [len(encode(IMAGE_MARKER, [tile])) - len(encode("", [])) for tile in tiles]
+
+
 def build_prompt(model, sample: Sample, max_tokens: int) -> Prompt:
-    """Chat-templated ids of the sample's prompt, cut from the left to at most max_tokens."""
+    """Chat-templated ids of the sample's prompt, cut from the left to at most max_tokens (whole images
+    dropped first, each costing its own tokens: a tiling or grid processor's depend on the image)."""
     from lookm_jax.generate import PromptTooLongError
 
-    ids = model.encode_chat(render(sample.instruction, sample.texts))
+    tiles = image_tiles(model, sample.images)
+
+    def encode(texts):
+        kept = None if tiles is None else tiles[len(tiles) - (len(texts) - 1):]
+        return model.encode_chat(render(sample.instruction, texts), image_tiles=kept), kept
+
+    ids, kept_tiles = encode(sample.texts)
     if ids.shape[1] <= max_tokens:
-        return Prompt(ids, sample.images, False, _question_start(model, sample.instruction, sample.texts, ids))
-    protected = model.encode_chat(render(sample.instruction, sample.texts[-1:])).shape[1]
+        return Prompt(ids, sample.images, False, _question_start(model, sample.instruction, sample.texts, ids,
+                                                                 kept_tiles), None if kept_tiles is None else tuple(kept_tiles))
+    protected = encode(sample.texts[-1:])[0].shape[1]
     budget = max_tokens - protected
     if budget < 0:
         raise PromptTooLongError(f"{sample.dataset} sample {sample.sample_id}: the instruction and question alone "
                                  f"take {protected} tokens, over the limit of {max_tokens}")
+    counts = image_token_counts(model, tiles, len(sample.images))
     while True:  # separately tokenized fragments may merge differently: shrink until the whole fits
-        texts = _suffix(sample, budget, model.config.image_seq_length, model.tokenizer)
-        ids = model.encode_chat(render(sample.instruction, texts))
+        texts = _suffix(sample, budget, counts, model.tokenizer)
+        ids, kept_tiles = encode(texts)
         over = ids.shape[1] - max_tokens
         if over <= 0:
             n_images = len(texts) - 1
             return Prompt(ids, sample.images[len(sample.images) - n_images:], True,
-                          _question_start(model, sample.instruction, texts, ids))
+                          _question_start(model, sample.instruction, texts, ids, kept_tiles),
+                          None if kept_tiles is None else tuple(kept_tiles))
         budget -= over
 
 
-def _question_start(model, instruction: str, texts, ids: np.ndarray) -> int:
+def _question_start(model, instruction: str, texts, ids: np.ndarray, tiles=None) -> int:
     """Where the chat with and without the last text first differ in tokens (`harness.encode_asked_after`)."""
-    without = model.encode_chat(render(instruction, [*texts[:-1], ""]))[0]
+    without = model.encode_chat(render(instruction, [*texts[:-1], ""]), image_tiles=tiles)[0]
     return next((i for i, (a, b) in enumerate(zip(ids[0], without)) if a != b), len(without))
 
 
@@ -406,9 +435,6 @@ def cmd_milebench(args) -> int:
     method = method_from_args(args)
     model = lookm_jax.load(args.model, args.dtype) if args.model else lookm_jax.load_default(args.dtype)
     harness.check_multimodal(model, "MileBench")
-    if model.processor.tiling:
-        raise ValueError("tiling models (HF-format InternVL) are not supported by the MileBench harness yet: "
-                         "their image token counts depend on each image's tiles")
     # A prompt must fit the largest bucket and, with its answer, the model's context.
     context = model.text_config.max_position_embeddings
     if args.max_new_tokens >= context:
