@@ -79,14 +79,44 @@ CONFIGS = {
                           "hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14,
                           "temporal_patch_size": 2},
         "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 152064},
+    # Qwen/Qwen2.5-VL-7B-Instruct's config.json as published (resaved by transformers 4.53.1): the
+    # decoder's fields flat and in text_config (read from there, as HF does), the windowed tower.
+    "Qwen2.5-VL-7B": {
+        "model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
+        "hidden_size": 3584, "image_token_id": 151655, "initializer_range": 0.02, "intermediate_size": 18944,
+        "max_position_embeddings": 128000, "max_window_layers": 28, "num_attention_heads": 28,
+        "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+        "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"},
+        "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.53.1", "use_cache": True, "use_sliding_window": False, "video_token_id": 151656,
+        "vision_end_token_id": 151653, "vision_start_token_id": 151652, "vision_token_id": 151654,
+        "vocab_size": 152064,
+        "text_config": {
+            "architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dropout": 0.0,
+            "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 3584,
+            "image_token_id": None, "initializer_range": 0.02, "intermediate_size": 18944,
+            "layer_types": ["full_attention"] * 28, "max_position_embeddings": 128000, "max_window_layers": 28,
+            "model_type": "qwen2_5_vl_text", "num_attention_heads": 28, "num_hidden_layers": 28,
+            "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+            "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"},
+            "rope_theta": 1000000.0, "sliding_window": None, "torch_dtype": "float32", "use_cache": True,
+            "use_sliding_window": False, "video_token_id": None, "vision_end_token_id": 151653,
+            "vision_start_token_id": 151652, "vision_token_id": 151654, "vocab_size": 152064},
+        "vision_config": {
+            "depth": 32, "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu", "hidden_size": 1280,
+            "in_channels": 3, "in_chans": 3, "initializer_range": 0.02, "intermediate_size": 3420,
+            "model_type": "qwen2_5_vl", "num_heads": 16, "out_hidden_size": 3584, "patch_size": 14,
+            "spatial_merge_size": 2, "spatial_patch_size": 14, "temporal_patch_size": 2, "tokens_per_second": 2,
+            "torch_dtype": "float32", "window_size": 112}},
 }
 GIB = 2**30
-PICTURE = (672, 672)  # (height, width) of the one picture of dynamic-resolution models (Qwen2-VL)
+PICTURE = (672, 672)  # (height, width) of the one picture of dynamic-resolution models (Qwen2-VL, Qwen2.5-VL)
 
 
 def one_image(cfg, dtype) -> tuple[object, int]:
     """The pixel_values of one image (ShapeDtypeStructs) and its placeholder tokens: a fixed-size
-    image, or for Qwen2-VL a PICTURE-sized one through its own `smart_resize`."""
+    image, or for Qwen2-VL and Qwen2.5-VL a PICTURE-sized one through its own `smart_resize`."""
     if not isinstance(cfg, Qwen2VLConfig):
         return jax.ShapeDtypeStruct((1, *cfg.pixel_shape), dtype), cfg.image_seq_length
     height, width = smart_resize(*PICTURE, Qwen2VLImageProcessorConfig())

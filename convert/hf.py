@@ -10,12 +10,14 @@ from tqdm.auto import tqdm
 
 from lookm_jax.convert import original_llava, safetensors_io, tables
 from lookm_jax.convert.internvl import internvl_vision_params
+from lookm_jax.convert.qwen2_5_vl import qwen2_5_vl_vision_params
 from lookm_jax.convert.qwen2_vl import qwen2_vl_vision_params
 from lookm_jax.convert.tables import CheckpointError, apply_table, read_json_object
 from lookm_jax.models.config import ConfigError, LlamaConfig, LlavaConfig
 from lookm_jax.models.internvit import InternViTLlavaConfig
 from lookm_jax.models.internvl import InternVLConfig
 from lookm_jax.models.mobilevlm import MobileVLMConfig
+from lookm_jax.models.qwen2_5_vl import Qwen2_5_VLConfig
 from lookm_jax.models.qwen2_vl import Qwen2VLConfig
 
 ModelConfig = LlamaConfig | LlavaConfig
@@ -30,6 +32,7 @@ CONFIG_PARSERS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "qwen2": lambda d: LlamaConfig.from_hf(d, where="config"),
     "internvl": InternVLConfig.from_hf,
     "qwen2_vl": Qwen2VLConfig.from_hf,
+    "qwen2_5_vl": Qwen2_5_VLConfig.from_hf,
 }
 
 
@@ -99,6 +102,7 @@ VISION_PARAMS: dict[type, Callable[[Any, dict[str, np.ndarray], Any], dict]] = {
     MobileVLMConfig: original_llava.mobilevlm_params,
     InternVLConfig: internvl_vision_params,
     Qwen2VLConfig: qwen2_vl_vision_params,
+    Qwen2_5_VLConfig: qwen2_5_vl_vision_params,
 }
 
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from lookm_jax.models import clip, internvit, internvl, llama, mobilevlm, qwen2_vl
+from lookm_jax.models import clip, internvit, internvl, llama, mobilevlm, qwen2_5_vl, qwen2_vl
 from lookm_jax.models.config import LlamaConfig, LlavaConfig
 from lookm_jax.models.layers import gelu_exact, linear
 
@@ -43,11 +43,13 @@ IMAGE_FEATURES: dict[type, Callable[[Any, dict, jax.Array], jax.Array]] = {
     mobilevlm.MobileVLMConfig: mobilevlm.image_features,
     internvl.InternVLConfig: internvl.internvl_image_features,
     qwen2_vl.Qwen2VLConfig: qwen2_vl.image_features,
+    qwen2_5_vl.Qwen2_5_VLConfig: qwen2_5_vl.image_features,
 }
 
 # config type -> positions(cfg, input_ids, valid, pixel_values) -> (RoPE positions [3, B, L], next
 # position [B]) for architectures whose positions are not 0 .. L-1 (M-RoPE); `rope_positions` uses it.
-ROPE_POSITIONS: dict[type, Callable] = {qwen2_vl.Qwen2VLConfig: qwen2_vl.mrope_positions}
+ROPE_POSITIONS: dict[type, Callable] = {qwen2_vl.Qwen2VLConfig: qwen2_vl.mrope_positions,
+                                        qwen2_5_vl.Qwen2_5_VLConfig: qwen2_vl.mrope_positions}
 
 
 def image_features(cfg, params: dict, pixel_values: jax.Array) -> jax.Array:

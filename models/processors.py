@@ -12,7 +12,7 @@ it up. The placeholder convention decides the encoding:
   placeholders put between them, as LLaVA's `tokenizer_image_token` does.
 - `Tiles` (HF-format InternVL): dynamic tiles per image; each "<image>" becomes
   <img> + tiles x `image_seq_length` placeholders + </img>, as InternVLProcessor does.
-- `Grids` (Qwen2-VL): dynamic resolution; `preprocess` returns `qwen2_vl.Pixels` (patches and
+- `Grids` (Qwen2-VL, Qwen2.5-VL): dynamic resolution; `preprocess` returns `qwen2_vl.Pixels` (patches and
   image grids) and the grids, and each "<image>" becomes <|vision_start|> + grid tokens x
   <|image_pad|> + <|vision_end|>, as Qwen2VLProcessor does.
 
@@ -33,6 +33,7 @@ from lookm_jax.models.config import LlamaConfig, LlavaConfig
 from lookm_jax.models.internvit import InternViTLlavaConfig
 from lookm_jax.models.internvl import InternVLConfig
 from lookm_jax.models.mobilevlm import MobileVLMConfig
+from lookm_jax.models.qwen2_5_vl import Qwen2_5_VLConfig
 from lookm_jax.models.qwen2_vl import IMAGE_PAD, Pixels, Qwen2VLConfig
 
 IMAGE_MARKER = "<image>"
@@ -62,7 +63,8 @@ class Processor(abc.ABC):
 
     def _no_tiles(self, image_tiles) -> None:
         if image_tiles is not None:
-            raise InputError("image_tiles is only for tiling architectures (InternVL) and image grids (Qwen2-VL)")
+            raise InputError("image_tiles is only for tiling architectures (InternVL) and image grids "
+                             "(Qwen2-VL, Qwen2.5-VL)")
 
 
 class TextOnly(Processor):
@@ -136,6 +138,7 @@ PROCESSORS: dict[type, Callable[[Any, dict | None], Processor]] = {
     MobileVLMConfig: SplitPlaceholders,
     InternVLConfig: Tiles,
     Qwen2VLConfig: Grids,
+    Qwen2_5_VLConfig: Grids,
 }
 
 

@@ -28,5 +28,8 @@ def test_sizes_table_matches_the_published_models():
     # Qwen/Qwen2-VL-7B-Instruct: 8.29 B parameters on its model card;
     # 28 layers x 4 KV heads x 128; a 672 x 672 picture is 48 x 48 patches, merged 2 x 2: 576 tokens.
     assert rows["Qwen2-VL-7B"][1] == "8.291 B" and rows["Qwen2-VL-7B"][2] == f"{28 * 4 * 128 * 4 // 1024} KiB"
-    assert [r[5] for r in rows.values()] == ["576", "576", "144", "576", "576"]
-    assert len(rows) == 5
+    # Qwen/Qwen2.5-VL-7B-Instruct: 8.29 B on its model card (8,292,166,656 counted on HF's own model
+    # built on the meta device from that config); the decoder and the picture's tokens are Qwen2-VL-7B's.
+    assert rows["Qwen2.5-VL-7B"][1] == "8.292 B" and rows["Qwen2.5-VL-7B"][2] == rows["Qwen2-VL-7B"][2]
+    assert [r[5] for r in rows.values()] == ["576", "576", "144", "576", "576", "576"]
+    assert len(rows) == 6
