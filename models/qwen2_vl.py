@@ -182,7 +182,7 @@ class Qwen2VLConfig:
         if grid.prod(1).sum() != patches.shape[0]:
             raise InputError(f"the grid describes {int(grid.prod(1).sum())} patches, Pixels.patches holds "
                              f"{patches.shape[0]}")
-        runs = _placeholder_runs(ids == self.image_token_id, valid)
+        runs = placeholder_runs(ids == self.image_token_id, valid)
         want = [self.image_tokens(g) for g in grid.tolist()]
         if runs != want:
             raise InputError(f"the prompt's image placeholder runs have {runs} tokens; the grids need {want} "
@@ -243,7 +243,7 @@ class Qwen2VLConfig:
         return cls(text=llama, vision=vision, **ids)
 
 
-def _placeholder_runs(is_image: np.ndarray, valid: np.ndarray) -> list[int]:
+def placeholder_runs(is_image: np.ndarray, valid: np.ndarray) -> list[int]:
     """Lengths of the runs of real placeholder tokens, in reading order (rows, then positions)."""
     runs = []
     for row in (is_image & valid):
