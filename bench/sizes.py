@@ -26,6 +26,7 @@ from lookm_jax import generate as gen, get_method
 from lookm_jax.convert import original_llava, tables
 from lookm_jax.convert.hf import params_from_hf, parse_config
 from lookm_jax.models import llama
+from lookm_jax.models.llava_next import AnyresPixels, LlavaNextConfig
 from lookm_jax.models.qwen2_vl import Pixels, Qwen2VLConfig
 from lookm_jax.models.qwen2_vl_processing import Qwen2VLImageProcessorConfig, smart_resize
 
@@ -79,14 +80,66 @@ CONFIGS = {
                           "hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14,
                           "temporal_patch_size": 2},
         "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 152064},
+    # Qwen/Qwen2.5-VL-7B-Instruct's config.json as published (resaved by transformers 4.53.1): the
+    # decoder's fields flat and in text_config (read from there, as HF does), the windowed tower.
+    # llava-hf/llava-v1.6-vicuna-7b-hf (LLaVA-NeXT): LLaVA-1.5-7B's parts and a learned image newline;
+    # anyres tiles (a 672 x 672 picture: the base tile and a 2 x 2 grid of 336 px tiles).
+    "LLaVA-NeXT-7B": {
+        "architectures": ["LlavaNextForConditionalGeneration"], "ignore_index": -100,
+        "image_grid_pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]],
+        "image_token_index": 32000, "model_type": "llava_next", "projector_hidden_act": "gelu",
+        "text_config": {"_name_or_path": "lmsys/vicuna-7b-v1.5", "architectures": ["LlamaForCausalLM"],
+                        "max_position_embeddings": 4096, "model_type": "llama", "pad_token_id": 0,
+                        "rms_norm_eps": 1e-05, "torch_dtype": "float16", "vocab_size": 32064},
+        "tie_word_embeddings": False, "torch_dtype": "float16", "transformers_version": "4.39.0.dev0",
+        "use_image_newline_parameter": True,
+        "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                          "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
+                          "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
+        "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064},
+    "Qwen2.5-VL-7B": {
+        "model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
+        "hidden_size": 3584, "image_token_id": 151655, "initializer_range": 0.02, "intermediate_size": 18944,
+        "max_position_embeddings": 128000, "max_window_layers": 28, "num_attention_heads": 28,
+        "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+        "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"},
+        "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.53.1", "use_cache": True, "use_sliding_window": False, "video_token_id": 151656,
+        "vision_end_token_id": 151653, "vision_start_token_id": 151652, "vision_token_id": 151654,
+        "vocab_size": 152064,
+        "text_config": {
+            "architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dropout": 0.0,
+            "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 3584,
+            "image_token_id": None, "initializer_range": 0.02, "intermediate_size": 18944,
+            "layer_types": ["full_attention"] * 28, "max_position_embeddings": 128000, "max_window_layers": 28,
+            "model_type": "qwen2_5_vl_text", "num_attention_heads": 28, "num_hidden_layers": 28,
+            "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+            "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"},
+            "rope_theta": 1000000.0, "sliding_window": None, "torch_dtype": "float32", "use_cache": True,
+            "use_sliding_window": False, "video_token_id": None, "vision_end_token_id": 151653,
+            "vision_start_token_id": 151652, "vision_token_id": 151654, "vocab_size": 152064},
+        "vision_config": {
+            "depth": 32, "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu", "hidden_size": 1280,
+            "in_channels": 3, "in_chans": 3, "initializer_range": 0.02, "intermediate_size": 3420,
+            "model_type": "qwen2_5_vl", "num_heads": 16, "out_hidden_size": 3584, "patch_size": 14,
+            "spatial_merge_size": 2, "spatial_patch_size": 14, "temporal_patch_size": 2, "tokens_per_second": 2,
+            "torch_dtype": "float32", "window_size": 112}},
 }
 GIB = 2**30
-PICTURE = (672, 672)  # (height, width) of the one picture of dynamic-resolution models (Qwen2-VL)
+PICTURE = (672, 672)  # (height, width) of the one picture of dynamic-resolution and tiling models
 
 
 def one_image(cfg, dtype) -> tuple[object, int]:
     """The pixel_values of one image (ShapeDtypeStructs) and its placeholder tokens: a fixed-size
-    image, or for Qwen2-VL a PICTURE-sized one through its own `smart_resize`."""
+    image, or a PICTURE-sized one: for Qwen2-VL and Qwen2.5-VL through its own `smart_resize`, for
+    LLaVA-NeXT tiled (its base tile and grid; its placeholders include the newlines)."""
+    if isinstance(cfg, LlavaNextConfig):
+        layout = cfg.layout([PICTURE])
+        tiles = 1 + int(layout[0, 1] * layout[0, 2])
+        pixels = AnyresPixels(jax.ShapeDtypeStruct((tiles, *cfg.pixel_shape), dtype),
+                              jax.ShapeDtypeStruct((1, 2), jnp.int32), jax.ShapeDtypeStruct(layout.shape, jnp.int32))
+        return pixels, cfg.image_tokens(*PICTURE)
     if not isinstance(cfg, Qwen2VLConfig):
         return jax.ShapeDtypeStruct((1, *cfg.pixel_shape), dtype), cfg.image_seq_length
     height, width = smart_resize(*PICTURE, Qwen2VLImageProcessorConfig())
@@ -122,7 +175,7 @@ def nbytes(*structs) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt", type=int, default=4096,
-                        help="prompt tokens (a bucket length), more than the largest image (576)")
+                        help="prompt tokens (a bucket length), more than the largest image (LLaVA-NeXT's 2928)")
     parser.add_argument("--new-tokens", type=at_least(1), default=64)
     parser.add_argument("--budgets", type=kept_fraction, nargs="+", default=[0.2, 0.05])
     args = parser.parse_args()
@@ -139,7 +192,7 @@ def main() -> None:
     head = ["model", "LM / vision / projector params", "total params", "KV bytes per token"]
     head += [f"cache {name} (slots per head)" for name, _ in methods[:1]]
     head += [f"LOOK-M {name} (slots, x full)" for name, _ in methods[1:]]
-    head += [f"image tokens ({PICTURE[1]}x{PICTURE[0]} for dynamic resolution)"]
+    head += [f"image tokens ({PICTURE[1]}x{PICTURE[0]} for dynamic resolution and tiling)"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for name, cfg in configs.items():
         params = abstract_params(cfg, dtype)

@@ -10,12 +10,15 @@ from tqdm.auto import tqdm
 
 from lookm_jax.convert import original_llava, safetensors_io, tables
 from lookm_jax.convert.internvl import internvl_vision_params
+from lookm_jax.convert.qwen2_5_vl import qwen2_5_vl_vision_params
 from lookm_jax.convert.qwen2_vl import qwen2_vl_vision_params
 from lookm_jax.convert.tables import CheckpointError, apply_table, read_json_object
 from lookm_jax.models.config import ConfigError, LlamaConfig, LlavaConfig
 from lookm_jax.models.internvit import InternViTLlavaConfig
 from lookm_jax.models.internvl import InternVLConfig
+from lookm_jax.models.llava_next import LlavaNextConfig
 from lookm_jax.models.mobilevlm import MobileVLMConfig
+from lookm_jax.models.qwen2_5_vl import Qwen2_5_VLConfig
 from lookm_jax.models.qwen2_vl import Qwen2VLConfig
 
 ModelConfig = LlamaConfig | LlavaConfig
@@ -30,6 +33,8 @@ CONFIG_PARSERS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "qwen2": lambda d: LlamaConfig.from_hf(d, where="config"),
     "internvl": InternVLConfig.from_hf,
     "qwen2_vl": Qwen2VLConfig.from_hf,
+    "qwen2_5_vl": Qwen2_5_VLConfig.from_hf,
+    "llava_next": LlavaNextConfig.from_hf,
 }
 
 
@@ -92,6 +97,14 @@ def llava_vision_params(config: LlavaConfig, tensors: dict[str, np.ndarray], dty
     }
 
 
+def llava_next_vision_params(config: LlavaNextConfig, tensors: dict[str, np.ndarray], dtype) -> dict:
+    """LLaVA-1.5's tower and projector, and the image newline as projector["newline"]."""
+    params = llava_vision_params(config, tensors, dtype)
+    params["projector"].update(apply_table(tensors, [("newline", "image_newline", None)], "projector.", 0,
+                                           {"newline": (config.text.hidden_size,)}, dtype))
+    return params
+
+
 # multimodal config type -> fn(config, tensors, dtype) popping the non-text tensors into params.
 VISION_PARAMS: dict[type, Callable[[Any, dict[str, np.ndarray], Any], dict]] = {
     LlavaConfig: llava_vision_params,
@@ -99,6 +112,8 @@ VISION_PARAMS: dict[type, Callable[[Any, dict[str, np.ndarray], Any], dict]] = {
     MobileVLMConfig: original_llava.mobilevlm_params,
     InternVLConfig: internvl_vision_params,
     Qwen2VLConfig: qwen2_vl_vision_params,
+    Qwen2_5_VLConfig: qwen2_5_vl_vision_params,
+    LlavaNextConfig: llava_next_vision_params,
 }
 
 

@@ -119,6 +119,7 @@ _PREFIXES = [
     (r"^(model\.)?language_model\.lm_head\.", "lm_head."),
     (r"^(model\.)?vision_tower\.(vision_model\.)?", "vision."),
     (r"^(model\.)?multi_modal_projector\.", "projector."),
+    (r"^(model\.)?image_newline$", "projector.image_newline"),  # LLaVA-NeXT's learned newline
     (r"^(model\.)?visual\.", "vision."),  # Qwen2-VL's tower and merger
 ]
 

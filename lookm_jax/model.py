@@ -239,8 +239,9 @@ class Model:
 
         The checkpoint's own preprocessor: the CLIP processor (with LLaVA's pad-to-square when
         configured) or, for tiling architectures (InternVL), dynamic tiles; pass the tile counts to
-        `encode_chat(..., image_tiles=...)`. Qwen2-VL returns (`qwen2_vl.Pixels`, each image's grid);
-        pass the grids as `image_tiles`. A file that is not a readable image raises InputError.
+        `encode_chat(..., image_tiles=...)`. Qwen2-VL and Qwen2.5-VL return (`qwen2_vl.Pixels`, each image's grid);
+        pass the grids as `image_tiles`. LLaVA-NeXT returns (`llava_next.AnyresPixels`, each image's
+        placeholder count); pass the counts as `image_tiles`. A file that is not a readable image raises InputError.
         """
         if isinstance(images, (str, bytes, os.PathLike)) or not isinstance(images, Sequence) or not images:
             raise InputError(f"images must be a non-empty list of image files or PIL images, got {images!r:.80}")

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from lookm_jax.models import clip, internvit, internvl, llama, mobilevlm, qwen2_vl
+from lookm_jax.models import clip, internvit, internvl, llama, llava_next, mobilevlm, qwen2_5_vl, qwen2_vl
 from lookm_jax.models.config import LlamaConfig, LlavaConfig
 from lookm_jax.models.layers import gelu_exact, linear
 
@@ -34,20 +34,32 @@ def llava_image_features(cfg: LlavaConfig, params: dict, pixel_values: jax.Array
     return linear(gelu_exact(linear(x, p["w1"], p.get("b1"))), p["w2"], p.get("b2"))
 
 
-# config type -> features(cfg, params, pixel_values [n_units, C, H, W]) -> [n_units, image_seq_length, H_text].
+def llava_next_image_features(cfg: llava_next.LlavaNextConfig, params: dict,
+                              pixels: llava_next.AnyresPixels) -> jax.Array:
+    """LLaVA-NeXT: every tile as LLaVA-1.5's image [U, s*s, H], packed with the newline
+    (`llava_next.pack_features`) -> [1, U*s*s + (U - n)*s, H]."""
+    features = llava_image_features(cfg, params, pixels.tiles)
+    return llava_next.pack_features(cfg, features, params["projector"]["newline"], pixels)
+
+
+# config type -> features(cfg, params, pixel_values [n_units, C, H, W]) -> [n_units, image_seq_length, H_text]
+# (or, for packing architectures, every image's features in order: [1, T, H_text], T >= the placeholders).
 # Other architectures define theirs in models/<arch>.py (which must not import this module) and are listed here.
 # Each architecture's input processor (pictures -> pixel_values, chat turn -> ids) is listed in processors.PROCESSORS.
 IMAGE_FEATURES: dict[type, Callable[[Any, dict, jax.Array], jax.Array]] = {
     LlavaConfig: llava_image_features,
+    llava_next.LlavaNextConfig: llava_next_image_features,
     internvit.InternViTLlavaConfig: internvit.image_features,
     mobilevlm.MobileVLMConfig: mobilevlm.image_features,
     internvl.InternVLConfig: internvl.internvl_image_features,
     qwen2_vl.Qwen2VLConfig: qwen2_vl.image_features,
+    qwen2_5_vl.Qwen2_5_VLConfig: qwen2_5_vl.image_features,
 }
 
 # config type -> positions(cfg, input_ids, valid, pixel_values) -> (RoPE positions [3, B, L], next
 # position [B]) for architectures whose positions are not 0 .. L-1 (M-RoPE); `rope_positions` uses it.
-ROPE_POSITIONS: dict[type, Callable] = {qwen2_vl.Qwen2VLConfig: qwen2_vl.mrope_positions}
+ROPE_POSITIONS: dict[type, Callable] = {qwen2_vl.Qwen2VLConfig: qwen2_vl.mrope_positions,
+                                        qwen2_5_vl.Qwen2_5_VLConfig: qwen2_vl.mrope_positions}
 
 
 def image_features(cfg, params: dict, pixel_values: jax.Array) -> jax.Array:

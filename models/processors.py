@@ -12,7 +12,10 @@ it up. The placeholder convention decides the encoding:
   placeholders put between them, as LLaVA's `tokenizer_image_token` does.
 - `Tiles` (HF-format InternVL): dynamic tiles per image; each "<image>" becomes
   <img> + tiles x `image_seq_length` placeholders + </img>, as InternVLProcessor does.
-- `Grids` (Qwen2-VL): dynamic resolution; `preprocess` returns `qwen2_vl.Pixels` (patches and
+- `AnyresTiles` (LLaVA-NeXT): a base tile and a grid of tiles per image; `preprocess` returns
+  `llava_next.AnyresPixels` and each image's placeholder count, and each image token expands to
+  its image's count, as LlavaNextProcessor does.
+- `Grids` (Qwen2-VL, Qwen2.5-VL): dynamic resolution; `preprocess` returns `qwen2_vl.Pixels` (patches and
   image grids) and the grids, and each "<image>" becomes <|vision_start|> + grid tokens x
   <|image_pad|> + <|vision_end|>, as Qwen2VLProcessor does.
 
@@ -32,7 +35,9 @@ from lookm_jax.errors import InputError
 from lookm_jax.models.config import LlamaConfig, LlavaConfig
 from lookm_jax.models.internvit import InternViTLlavaConfig
 from lookm_jax.models.internvl import InternVLConfig
+from lookm_jax.models.llava_next import AnyresPixels, LlavaNextConfig
 from lookm_jax.models.mobilevlm import MobileVLMConfig
+from lookm_jax.models.qwen2_5_vl import Qwen2_5_VLConfig
 from lookm_jax.models.qwen2_vl import IMAGE_PAD, Pixels, Qwen2VLConfig
 
 IMAGE_MARKER = "<image>"
@@ -62,7 +67,8 @@ class Processor(abc.ABC):
 
     def _no_tiles(self, image_tiles) -> None:
         if image_tiles is not None:
-            raise InputError("image_tiles is only for tiling architectures (InternVL) and image grids (Qwen2-VL)")
+            raise InputError("image_tiles is only for tiling architectures (InternVL, LLaVA-NeXT) and image grids "
+                             "(Qwen2-VL, Qwen2.5-VL)")
 
 
 class TextOnly(Processor):
@@ -122,6 +128,34 @@ class Grids(Processor):
         return tokenizer.encode(text, add_special_tokens=False).ids
 
 
+class AnyresTiles(Processor):
+    tiling = True
+
+    def preprocess(self, pictures):
+        """-> (llava_next.AnyresPixels, each image's placeholder count for `encode`)."""
+        from lookm_jax.models.llava_next_processing import LlavaNextImageProcessorConfig, preprocess_anyres
+
+        side = self.config.vision.image_size
+        settings = self.settings or {  # none saved: the tower's own tile size and the config's pinpoints
+            "image_processor_type": "LlavaNextImageProcessor", "size": {"shortest_edge": side},
+            "crop_size": {"height": side, "width": side},
+            "image_grid_pinpoints": [list(p) for p in self.config.image_grid_pinpoints]}
+        tiles, sizes = preprocess_anyres(pictures, LlavaNextImageProcessorConfig.from_hf_dict(settings))
+        pixels = AnyresPixels(tiles, sizes.astype(np.int32), self.config.layout(sizes))
+        return pixels, [self.config.image_tokens(int(h), int(w)) for h, w in sizes]
+
+    def encode(self, tokenizer, text, image_tiles):
+        """Each image token the tokenizer emits, in order, expands to that image's count (as HF's
+        LlavaNextProcessor does)."""
+        image_id, counts = self.config.image_token_id, list(image_tiles or ())
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        if ids.count(image_id) != len(counts):
+            raise InputError(f"the prompt has {ids.count(image_id)} image token(s) but placeholder counts for "
+                             f"{len(counts)} image(s) were given (`preprocess_images` returns them)")
+        counts.reverse()
+        return [t for i in ids for t in ([i] * counts.pop() if i == image_id else [i])]
+
+
 def _llava(config: LlavaConfig, settings: dict | None) -> Processor:
     """llava-hf's image token is a vocabulary id; the original layout's (-200) is none."""
     cls = SplitPlaceholders if config.image_token_id < 0 else TokenPlaceholders
@@ -136,6 +170,8 @@ PROCESSORS: dict[type, Callable[[Any, dict | None], Processor]] = {
     MobileVLMConfig: SplitPlaceholders,
     InternVLConfig: Tiles,
     Qwen2VLConfig: Grids,
+    Qwen2_5_VLConfig: Grids,
+    LlavaNextConfig: AnyresTiles,
 }
 
 

@@ -24,7 +24,7 @@ Params: {"text": llama params, "vision": ..., "projector": ...}; vision (blocks 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.struct
@@ -49,6 +49,9 @@ _TEXT_DEFAULTS = {"vocab_size": 152064, "hidden_size": 8192, "intermediate_size"
 _TEXT_FIELDS = set(_TEXT_DEFAULTS) | {
     "hidden_act", "rope_parameters", "rope_scaling", "rope_theta", "use_sliding_window", "sliding_window",
     "max_window_layers", "tie_word_embeddings", "head_dim"}
+# Token ids transformers 4.5x saved into text_config too; the decoder reads none of them.
+_TEXT_IGNORED = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+                 "vision_token_id")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +66,15 @@ class Qwen2VLVisionConfig:
     spatial_merge_size: int = 2
     temporal_patch_size: int = 2
     hidden_act: str = "quick_gelu"
+    OUTPUT_FIELD = "hidden_size"  # the config field of the merger's output width
 
     @property
     def head_dim(self) -> int:
         return self.embed_dim // self.num_heads
+
+    @property
+    def output_size(self) -> int:
+        return self.hidden_size
 
     @property
     def mlp_dim(self) -> int:
@@ -174,7 +182,7 @@ class Qwen2VLConfig:
         if grid.prod(1).sum() != patches.shape[0]:
             raise InputError(f"the grid describes {int(grid.prod(1).sum())} patches, Pixels.patches holds "
                              f"{patches.shape[0]}")
-        runs = _placeholder_runs(ids == self.image_token_id, valid)
+        runs = placeholder_runs(ids == self.image_token_id, valid)
         want = [self.image_tokens(g) for g in grid.tolist()]
         if runs != want:
             raise InputError(f"the prompt's image placeholder runs have {runs} tokens; the grids need {want} "
@@ -184,15 +192,25 @@ class Qwen2VLConfig:
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "Qwen2VLConfig":
         """A Qwen2-VL config.json: transformers 5's (text_config nested) or the hub's flat one."""
-        where = "qwen2_vl config"
+        return cls._from_hf(d, "qwen2_vl", Qwen2VLVisionConfig.from_hf)
+
+    @classmethod
+    def _from_hf(cls, d: dict[str, Any], model_type: str, parse_vision: Callable[[dict], Any]):
+        """The decoder and token ids of a Qwen2-VL-family config (shared by Qwen2.5-VL), the tower
+        by `parse_vision`. With text_config nested, the decoder is read from it alone, as HF does:
+        the flat copies of its fields that transformers 4.5x saved beside it are not read."""
+        where = f"{model_type} config"
         nested = "text_config" in d
         handled = {"text_config", "vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
                    "vision_end_token_id", "vision_token_id", "tie_word_embeddings"}
-        _check_fields(d, handled | (set() if nested else _TEXT_FIELDS), where)
+        _check_fields(d, handled | _TEXT_FIELDS, where)
         text = dict(d["text_config"] or {}) if nested else {k: d[k] for k in _TEXT_FIELDS if k in d}
         text_where = f"{where}.text_config" if nested else where
-        text_type = text.pop("model_type", "qwen2_vl_text")
-        _require(text_type in ("qwen2_vl_text", "qwen2_vl"), text_where, "model_type", text_type, "'qwen2_vl_text'")
+        text_type = text.pop("model_type", f"{model_type}_text")
+        _require(text_type in (f"{model_type}_text", model_type), text_where, "model_type", text_type,
+                 f"'{model_type}_text'")
+        for name in _TEXT_IGNORED:  # saved into text_config by transformers 4.5x; its decoder reads none
+            text.pop(name, None)
         text = {**_TEXT_DEFAULTS, **text, "model_type": "qwen2"}
         # HF's attention takes head_dim = hidden_size / heads, whatever a config says.
         heads = text["num_attention_heads"]  # 0 or fewer: refused by LlamaConfig, naming the field
@@ -213,9 +231,9 @@ class Qwen2VLConfig:
             isinstance(s, int) and s >= 0 for s in section) and sum(section) == llama.head_dim // 2, text_where,
                  "mrope_section", section, f"3 ints summing to head_dim / 2 = {llama.head_dim // 2}")
         llama = dataclasses.replace(llama, rope=dataclasses.replace(llama.rope, mrope_section=tuple(section)))
-        vision = Qwen2VLVisionConfig.from_hf(d.get("vision_config") or {})
-        _require(vision.hidden_size == llama.hidden_size, where, "vision_config.hidden_size", vision.hidden_size,
-                 f"the decoder's hidden_size ({llama.hidden_size})")
+        vision = parse_vision(d.get("vision_config") or {})
+        _require(vision.output_size == llama.hidden_size, where, f"vision_config.{vision.OUTPUT_FIELD}",
+                 vision.output_size, f"the decoder's hidden_size ({llama.hidden_size})")
         ids = {name: d.get(name, default) for name, default in (("image_token_id", 151655),
                                                                 ("vision_start_token_id", 151652),
                                                                 ("vision_end_token_id", 151653))}
@@ -225,7 +243,7 @@ class Qwen2VLConfig:
         return cls(text=llama, vision=vision, **ids)
 
 
-def _placeholder_runs(is_image: np.ndarray, valid: np.ndarray) -> list[int]:
+def placeholder_runs(is_image: np.ndarray, valid: np.ndarray) -> list[int]:
     """Lengths of the runs of real placeholder tokens, in reading order (rows, then positions)."""
     runs = []
     for row in (is_image & valid):
@@ -251,7 +269,7 @@ def patch_layout(grid: jax.Array, num_patches: int, merge: int) -> tuple[jax.Arr
     return image, row, col
 
 
-def _vision_rope(cfg: Qwen2VLVisionConfig, row: jax.Array, col: jax.Array) -> tuple[jax.Array, jax.Array]:
+def vision_rope(cfg, row: jax.Array, col: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Patch rows/columns [P] -> fp32 cos, sin [1, 1, P, Dv]: the first Dv/4 frequencies turn with
     the row, the next Dv/4 with the column, repeated for the rotate-half pair."""
     quarter = cfg.head_dim // 2
@@ -261,15 +279,23 @@ def _vision_rope(cfg: Qwen2VLVisionConfig, row: jax.Array, col: jax.Array) -> tu
     return jnp.cos(angles), jnp.sin(angles)
 
 
+def vision_attention(num_heads: int, lp: dict, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                     mask: jax.Array) -> jax.Array:
+    """The tower's attention over normed patches x [P, Hv] (fused qkv with bias, 2-D RoPE on q/k in
+    fp32, output projection with bias); mask [1, 1, 1, P, P]: which patches each patch sees.
+    Shared by Qwen2-VL and Qwen2.5-VL."""
+    p = x.shape[0]
+    qkv = linear(x, lp["w_qkv"], lp["b_qkv"]).reshape(p, 3, num_heads, -1).transpose(1, 2, 0, 3)  # [3, heads, P, Dv]
+    q, k = (apply_rope(t[None].astype(jnp.float32), cos, sin).astype(x.dtype) for t in qkv[:2])  # [1, heads, P, Dv]
+    attn = attend(q, k, qkv[2][None], mask)[0]  # [heads, P, Dv]
+    return linear(attn.transpose(1, 0, 2).reshape(p, -1), lp["wo"], lp["bo"])
+
+
 def _block(cfg: Qwen2VLVisionConfig, lp: dict, h: jax.Array, cos: jax.Array, sin: jax.Array,
            same_image: jax.Array) -> jax.Array:
     """One pre-norm ViT block over all patches h [P, Hv]; attention only within an image."""
-    p = h.shape[0]
-    x = layer_norm(h, lp["norm1_w"], lp["norm1_b"], NORM_EPS)
-    qkv = linear(x, lp["w_qkv"], lp["b_qkv"]).reshape(p, 3, cfg.num_heads, cfg.head_dim).transpose(1, 2, 0, 3)
-    q, k = (apply_rope(t[None].astype(jnp.float32), cos, sin).astype(h.dtype) for t in qkv[:2])  # [1, heads, P, Dv]
-    attn = attend(q, k, qkv[2][None], same_image)[0]  # [heads, P, Dv]
-    h = h + linear(attn.transpose(1, 0, 2).reshape(p, -1), lp["wo"], lp["bo"])
+    h = h + vision_attention(cfg.num_heads, lp, layer_norm(h, lp["norm1_w"], lp["norm1_b"], NORM_EPS), cos, sin,
+                             same_image)
     x = layer_norm(h, lp["norm2_w"], lp["norm2_b"], NORM_EPS)
     act = _ACTIVATIONS[cfg.hidden_act]
     return h + linear(act(linear(x, lp["fc1_w"], lp["fc1_b"])), lp["fc2_w"], lp["fc2_b"])
@@ -280,7 +306,7 @@ def image_features(cfg: Qwen2VLConfig, params: dict, pixels: Pixels) -> jax.Arra
     v, vp = cfg.vision, params["vision"]
     patches = pixels.patches.astype(vp["patch_embed"].dtype)
     image, row, col = patch_layout(pixels.grid, patches.shape[0], v.spatial_merge_size)
-    cos, sin = _vision_rope(v, row, col)
+    cos, sin = vision_rope(v, row, col)
     same_image = (image[:, None] == image[None, :])[None, None, None]  # [1, 1, 1, P, P]
     h = patches @ vp["patch_embed"]  # [P, Hv]
     h, _ = jax.lax.scan(lambda h, lp: (_block(v, lp, h, cos, sin, same_image), None), h, vp["layers"])

@@ -11,7 +11,7 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_sizes_table_matches_the_published_models():
-    proc = subprocess.run([sys.executable, "sizes.py", "--prompt", "1024", "--new-tokens", "64", "--budgets", "0.2"],
+    proc = subprocess.run([sys.executable, "sizes.py", "--prompt", "4096", "--new-tokens", "64", "--budgets", "0.2"],
                           cwd=BENCH, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = [[c.strip() for c in line.strip("| ").split(" | ")] for line in proc.stdout.splitlines()
@@ -24,9 +24,18 @@ def test_sizes_table_matches_the_published_models():
     assert rows["LLaVA-v1.5-13B"][2] == f"{40 * 40 * 128 * 4 // 1024} KiB"
     assert rows["MobileVLM-V2-3B"][2] == f"{32 * 32 * 80 * 4 // 1024} KiB"
     # Slots per head: the whole prompt + new tokens, and LOOK-M's 20% of the prompt + new tokens.
-    assert all(r[3].endswith(f"({1024 + 64})") and f"({int(0.2 * 1024) + 64}, " in r[4] for r in rows.values()), rows
+    # (the 20% split evenly into recent and important slots, each rounded down: 2 x 409 of 4096).
+    kept = 2 * int(0.1 * 4096) + 64
+    assert all(r[3].endswith(f"({4096 + 64})") and f"({kept}, " in r[4] for r in rows.values()), rows
     # Qwen/Qwen2-VL-7B-Instruct: 8.29 B parameters on its model card;
     # 28 layers x 4 KV heads x 128; a 672 x 672 picture is 48 x 48 patches, merged 2 x 2: 576 tokens.
     assert rows["Qwen2-VL-7B"][1] == "8.291 B" and rows["Qwen2-VL-7B"][2] == f"{28 * 4 * 128 * 4 // 1024} KiB"
-    assert [r[5] for r in rows.values()] == ["576", "576", "144", "576", "576"]
-    assert len(rows) == 5
+    # Qwen/Qwen2.5-VL-7B-Instruct: 8.29 B on its model card (8,292,166,656 counted on HF's own model
+    # built on the meta device from that config); the decoder and the picture's tokens are Qwen2-VL-7B's.
+    assert rows["Qwen2.5-VL-7B"][1] == "8.292 B" and rows["Qwen2.5-VL-7B"][2] == rows["Qwen2-VL-7B"][2]
+    # llava-hf/llava-v1.6-vicuna-7b-hf: 7.06 B on its model card (HF's model on the meta device counts
+    # 7,063,431,168, CLIP's unused post_layernorm included: 2048 more than ours); LLaVA-1.5-7B's KV; a
+    # 672 x 672 picture: 576 base features + a 2 x 2 grid's 48 x 48 map, each row with its newline.
+    assert rows["LLaVA-NeXT-7B"][1] == "7.063 B" and rows["LLaVA-NeXT-7B"][2] == rows["LLaVA-v1.5-7B"][2]
+    assert [r[5] for r in rows.values()] == ["576", "576", "144", "576", "576", f"{576 + 48 * 49}", "576"]
+    assert len(rows) == 7

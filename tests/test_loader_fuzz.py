@@ -41,6 +41,18 @@ def _tiny_qwen2_vl(folder):
     tiny_qwen2_vl(folder)
 
 
+def _tiny_qwen2_5_vl(folder):
+    from tests.test_qwen2_5_vl import tiny_qwen2_5_vl
+
+    tiny_qwen2_5_vl(folder)
+
+
+def _tiny_llava_next(folder):
+    from tests.test_llava_next import tiny_llava_next
+
+    tiny_llava_next(folder)
+
+
 def _tiny_internvl(folder):
     from tests.test_internvl import tiny_internvl
 
@@ -73,7 +85,8 @@ def _tiny_gguf(folder):
     _write_tiny(os.path.join(folder, "tiny.gguf"))
 
 
-BUILDERS = {"llava": _tiny_llava, "qwen2_vl": _tiny_qwen2_vl, "internvl": _tiny_internvl, "mobilevlm": _tiny_mobilevlm}
+BUILDERS = {"llava": _tiny_llava, "qwen2_vl": _tiny_qwen2_vl, "qwen2_5_vl": _tiny_qwen2_5_vl,
+            "llava_next": _tiny_llava_next, "internvl": _tiny_internvl, "mobilevlm": _tiny_mobilevlm}
 CHECKPOINT = {"mobilevlm": "ckpt"}  # the checkpoint's subfolder, where it is not the builder's folder
 
 

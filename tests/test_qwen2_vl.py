@@ -90,6 +90,10 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def batch():
+    return make_batch()
+
+
+def make_batch():
     """Two right-padded rows: [text, image 0, text, image 1, text] and [text, image 2, text, text...]:
     ragged, three images of different sizes. -> (ids [2, L], mask [2, L], patches, grid [3, 3])."""
     patches, grid = preprocess_patches(_images(), Qwen2VLImageProcessorConfig(**PROCESSOR))
