@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import lookm_jax
 import reference_lookm as ref
 from conftest import image_ids
 from lookm_jax import METHODS, generate as gen, get_method

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import lookm_jax
 from lookm_jax import cli, cli_args, loading, scenes
 from lookm_jax.convert import store
 from lookm_jax.convert.gguf import smollm2_gguf_path
