@@ -86,10 +86,46 @@ def image_quota_count(quota, n, candidates, images):
     return math.floor(quota * n)
 
 
-def select(scores, valid, is_image, m, n, *, text_prior, n_sink=0, keep_all_text=False, image_quota=None):
+def adaptive_ranked(scores, valid, is_image, m, n, *, groups, head_floor, text_prior, n_sink=0, image_quota=None):
+    """AdaKV: {(b, h): ranked slots of head h}. Per row and group of heads, each head first gets its
+    F = min(floor(head_floor N), C) best candidates (C outside the recent window), then the group's
+    H_g (min(N, C) - F) remaining slots go to the best of all its heads' other candidates, ranked by
+    class (sink > quota-reserved image > text under text-prior > other), score (sinks: 0), head, position."""
+    b_, h_, length = scores.shape
+    hg = h_ // groups
+    out = {}
+    for b in range(b_):
+        idx = [j for j in range(length) if valid[b, j]]
+        recent = recent_positions(valid[b], m[b])
+        rest = [j for j in idx if j not in recent]
+        sinks = rest[:n_sink]
+        pool = [j for j in rest if j not in sinks]
+        image_pool = [j for j in pool if is_image[b, j]]
+        floor = min(math.floor(head_floor * n[b]), len(rest))
+        for g in range(groups):
+            entries = []
+            for h in range(g * hg, (g + 1) * hg):
+                reserved = []
+                if image_quota is not None:
+                    count = image_quota_count(image_quota, n[b], len(pool), len(image_pool))
+                    reserved = sorted(image_pool, key=lambda j: (-float(scores[b, h, j]), j))[:count]
+
+                def key(j, h=h, reserved=reserved):
+                    cls = 3 if j in sinks else 2 if j in reserved else 1 if text_prior and not is_image[b, j] else 0
+                    return (-cls, 0.0 if j in sinks else -float(scores[b, h, j]), h, j)
+
+                entries += sorted(key(j) for j in rest)[floor:]
+                out[b, h] = floor
+            for entry in sorted(entries)[:hg * (min(n[b], len(rest)) - floor)]:
+                out[b, entry[2]] += 1
+    return out
+
+
+def select(scores, valid, is_image, m, n, *, text_prior, n_sink=0, keep_all_text=False, image_quota=None,
+           head_n=None):
     """Eq. 5-8 for every (b, h): sorted kept positions (recent M + top N; ties: lower position).
     With an image quota, the best floor(q N) image tokens outside the window and the sinks rank
-    right after the sinks, above every text token."""
+    right after the sinks, above every text token. head_n: {(b, h): N of the head} (AdaKV) instead of N."""
     b_, h_, length = scores.shape
     kept = {}
     for b in range(b_):
@@ -113,7 +149,7 @@ def select(scores, valid, is_image, m, n, *, text_prior, n_sink=0, keep_all_text
             for j in sinks:
                 a[j] = math.inf
             ranked = sorted(rest, key=lambda j: (-a[j], j))
-            chosen = set(recent) | set(ranked[:n[b]])
+            chosen = set(recent) | set(ranked[:n[b] if head_n is None else head_n[b, h]])
             if keep_all_text:
                 chosen |= {j for j in rest if not is_image[b, j]} | set(sinks)
             kept[b, h] = sorted(chosen)
@@ -211,7 +247,7 @@ def run_method(name, params, q, k, v, is_image, valid, layer=None):
     elif name == "roco":
         mean, std = mean_std(q, k, valid)
         scores = mean + params.get("std_weight", 0.0) * std
-    elif name in ("snapkv", "pyramidkv"):
+    elif name in ("snapkv", "pyramidkv", "adakv"):
         w = params.get("window", 32)
         window = m if w is None else [w] * b_
         scores = window_scores(q, k, valid, window, m, params.get("kernel_size", 7), params.get("pooling", "max"))
@@ -226,8 +262,14 @@ def run_method(name, params, q, k, v, is_image, valid, layer=None):
     if split != "uniform":
         n_max = budget(params.get("alpha_important", 0.1), length)
         n = [layer_ranked(x, n_max, *layer, split) for x in n]
+    head_n = None
+    if params.get("head_split", "adaptive" if name == "adakv" else "uniform") == "adaptive":
+        head_n = adaptive_ranked(scores, valid, is_image, m, n, groups=params.get("head_groups") or 1,
+                                 head_floor=params.get("head_floor", 0.2), text_prior=text_prior, n_sink=n_sink,
+                                 image_quota=params.get("image_quota"))
     kept = select(scores, valid, is_image, m, n, text_prior=text_prior, n_sink=n_sink,
-                  keep_all_text=params.get("keep_all_text", False), image_quota=params.get("image_quota"))
+                  keep_all_text=params.get("keep_all_text", False), image_quota=params.get("image_quota"),
+                  head_n=head_n)
     if mode is None:
         return {key: (pos, k[key[0], key[1], pos], v[key[0], key[1], pos]) for key, pos in kept.items()}
     same = params.get("merge_scope", "any") == "same_modality"
@@ -253,11 +295,45 @@ def make_inputs(seed, *, batch=2, hq=4, hkv=2, length=24, dim=8, lengths=None, p
     return q, k, v, is_image, valid
 
 
+def pool_slots(out, num_heads):
+    """A pooled (head-adaptive) result's slots of each head: {(b, h): indices into its group's pool},
+    after checking the pool's layout (each head's run contiguous, in head order, empties last)."""
+    heads = np.asarray(out.heads)
+    b_, groups, size = heads.shape
+    hg = num_heads // groups
+    slots = {}
+    for b in range(b_):
+        for g in range(groups):
+            row = list(heads[b, g])
+            filled = [x for x in row if x >= 0]
+            assert filled == sorted(filled) and row == filled + [-1] * (size - len(filled)), row
+            for local in range(hg):
+                slots[b, g * hg + local] = (g, [i for i in range(size) if row[i] == local])
+    return slots
+
+
 def check_against(out, ref, atol=1e-5):
     """A CompressedKV-like result agrees with a {(b, h): (positions, keys, values[, log counts])}
-    reference; without log counts in the reference, the result has none either."""
+    reference; without log counts in the reference, the result has none either. A pooled result
+    (``out.heads``) is compared head by head through its pool."""
     positions, mask = np.asarray(out.positions), np.asarray(out.mask)
     keys, values = np.asarray(out.keys), np.asarray(out.values)
+    if getattr(out, "heads", None) is not None:
+        num_heads = max(h for _, h in ref) + 1
+        empty = np.asarray(out.heads) < 0
+        np.testing.assert_array_equal(mask, ~empty)
+        np.testing.assert_array_equal(positions[empty], -1)
+        np.testing.assert_array_equal(keys[empty], 0)
+        for (b, h), (g, slots) in pool_slots(out, num_heads).items():
+            pos, kk, vv, *log_counts = ref[b, h]
+            np.testing.assert_array_equal(positions[b, g, slots], pos, err_msg=f"kept positions, row {b} head {h}")
+            np.testing.assert_allclose(keys[b, g, slots], kk, atol=atol, rtol=atol)
+            np.testing.assert_allclose(values[b, g, slots], vv, atol=atol, rtol=atol)
+            if log_counts:
+                np.testing.assert_allclose(np.asarray(out.log_counts)[b, g, slots], log_counts[0], atol=atol, rtol=atol)
+            else:
+                assert out.log_counts is None
+        return
     for (b, h), (pos, kk, vv, *log_counts) in ref.items():
         if not log_counts:
             assert out.log_counts is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -12,25 +13,38 @@ import numpy as np
 
 from lookm_jax.checks import is_int_at_least, is_real
 from lookm_jax.errors import InputError
+from lookm_jax.compression import heads as head_pool
 from lookm_jax.compression.merge import MERGES, merge_evicted
-from lookm_jax.compression.select import PROPORTIONAL, select_slots
+from lookm_jax.compression.select import PROPORTIONAL, adaptive_head_slots, select_slots
 
 MERGE_SCOPES = ("any", "same_modality")
 
 
 @flax.struct.dataclass
 class CompressedKV:
-    """A layer's compressed prompt cache; slots are in original-position order per head."""
+    """A layer's compressed prompt cache; slots are in original-position order per head.
 
-    keys: jax.Array  # [B, Hkv, S, D], RoPE of the original positions; 0 in empty slots
+    Head-adaptive (``heads`` set): the second axis is the G head groups and the slot axis a pool of
+    H_g x C slots (`lookm_jax.compression.heads`), ``heads`` naming each slot's KV head in its group."""
+
+    keys: jax.Array  # [B, Hkv, S, D], RoPE of the original positions; 0 in empty slots (pooled: [B, G, P, D])
     values: jax.Array  # [B, Hkv, S, Dv]; 0 in empty slots
     positions: jax.Array  # [B, Hkv, S] int32 original prompt index, -1 = empty
     mask: jax.Array  # [B, Hkv, S] bool, True = occupied
     log_counts: jax.Array | None = None  # [B, Hkv, S] fp32 log(prompt tokens in the slot), size-aware only
+    heads: jax.Array | None = None  # [B, G, P] int32 KV head within the group, -1 = empty; pooled only
 
     @property
     def capacity(self) -> int:
         return self.keys.shape[2]
+
+    def per_head(self, num_heads: int, width: int) -> "CompressedKV":
+        """A pooled result as per-head slots [B, num_heads, width] (each head's first, the rest empty);
+        for inspection and tests."""
+        def view(x, fill=0):
+            return None if x is None else head_pool.unpool(x, self.heads, num_heads, width, fill)
+        return CompressedKV(view(self.keys), view(self.values), view(self.positions, -1), view(self.mask, False),
+                            view(self.log_counts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +128,8 @@ def compress_kv(
     size_aware: bool = False,
     capacity: int | None = None,
     block: int = 128,
+    head_groups: int | None = None,
+    head_floor: float = 0.2,
 ) -> CompressedKV:
     """Compress a prompt cache to a static number of slots per KV head (LOOK-M eq. 5-12).
 
@@ -138,6 +154,10 @@ def compress_kv(
       image_quota, merge_scope, size_aware: see ``SelectionSpec``. Default off / "any" / off (the paper's).
       capacity: static S. Default: max over rows of M + N (needs concrete M, N), clipped to L.
       block: static token block of the similarity scan.
+      head_groups: None (every head keeps M + N) or G, AdaKV's head-adaptive allocation within each
+        of G groups of heads (`select.adaptive_head_slots`, floor ``head_floor``): each head's slots
+        are chosen (and merged into) as above with its own N, and the result is pooled, H_g x S
+        slots per group (`lookm_jax.compression.heads`). Needs no keep_all_text.
 
     The wrapper resolves the static capacity and then calls a jitted core whose static args are
     capacity, block and the selection spec's fields.
@@ -153,21 +173,33 @@ def compress_kv(
         keys, values, scores, is_image, valid, n_recent, n_important,
         capacity=int(capacity), text_prior=text_prior, merge=merge, n_sink=n_sink,
         similarity_filter=similarity_filter, keep_all_text=keep_all_text, image_quota=image_quota,
-        merge_scope=merge_scope, size_aware=size_aware, block=block,
+        merge_scope=merge_scope, size_aware=size_aware, block=block, head_groups=head_groups,
+        head_floor=head_floor,
     )
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("capacity", "text_prior", "merge", "n_sink", "similarity_filter", "keep_all_text",
-                     "image_quota", "merge_scope", "size_aware", "block"),
+                     "image_quota", "merge_scope", "size_aware", "block", "head_groups", "head_floor"),
 )
 def _compress(keys, values, scores, is_image, valid, n_recent, n_important, *, capacity, text_prior, merge,
-              n_sink, similarity_filter, keep_all_text, image_quota, merge_scope, size_aware, block) -> CompressedKV:
+              n_sink, similarity_filter, keep_all_text, image_quota, merge_scope, size_aware, block, head_groups,
+              head_floor) -> CompressedKV:
+    b, h, length, _ = keys.shape
+    head_slots, per_head_capacity = None, capacity
+    if head_groups is not None:
+        if keep_all_text or h % head_groups:
+            raise ValueError(f"head-adaptive budgets need no keep_all_text and head groups dividing {h} KV heads, "
+                             f"got keep_all_text={keep_all_text}, {head_groups} groups")
+        head_slots = adaptive_head_slots(scores, valid, is_image, n_recent, n_important, groups=head_groups,
+                                         head_floor=head_floor, text_prior=text_prior, n_sink=n_sink,
+                                         image_quota=image_quota)  # [B, Hkv]
+        per_head_capacity = min(length, h // head_groups * capacity)  # a head may take its group's whole budget
     sel = select_slots(
         scores, valid, is_image, n_recent, n_important,
-        capacity=capacity, text_prior=text_prior, n_sink=n_sink, keep_all_text=keep_all_text,
-        image_quota=image_quota,
+        capacity=per_head_capacity, text_prior=text_prior, n_sink=n_sink, keep_all_text=keep_all_text,
+        image_quota=image_quota, head_slots=head_slots,
     )
     idx = sel.indices[..., None]  # [B, Hkv, S, 1]
     occupied = sel.mask[..., None]
@@ -185,4 +217,13 @@ def _compress(keys, values, scores, is_image, valid, n_recent, n_important, *, c
         if size_aware:
             log_counts = jnp.where(sel.mask, jnp.log(counts), 0.0)  # [B, Hkv, S]
     positions = jnp.where(sel.mask, sel.indices, -1).astype(jnp.int32)
-    return CompressedKV(kept_keys, kept_values, positions, sel.mask, log_counts)
+    if head_groups is None:
+        return CompressedKV(kept_keys, kept_values, positions, sel.mask, log_counts)
+    index, heads = head_pool.pool_layout(sel.mask, head_groups, h // head_groups * capacity)  # [B, G, P]
+
+    def pooled(x):
+        return None if x is None else head_pool.pool(x, index, heads)
+
+    chex.assert_shape(heads, (b, head_groups, h // head_groups * capacity))
+    return CompressedKV(pooled(kept_keys), pooled(kept_values), jnp.where(heads >= 0, pooled(positions), -1),
+                        heads >= 0, pooled(log_counts), heads)

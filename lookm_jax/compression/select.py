@@ -75,6 +75,79 @@ def within_group_rank(scores: jax.Array, member: jax.Array) -> jax.Array:
     return per_head(lambda o: jnp.zeros(l, jnp.int32).at[o].set(jnp.arange(l, dtype=jnp.int32)))(order)
 
 
+def _classes(scores, valid, is_image, n_recent, n_important, *, text_prior, n_sink, image_quota):
+    """Rank classes [B, H, L] int32 (4 recent, 3 sink, 2 image-quota, 1 text-prior text, 0 other, -1
+    padding) and the sink mask [B, L] (module docstring)."""
+    b, h, l = scores.shape
+    recent = recent_mask(valid, n_recent)  # [B, L]
+    sink = valid & ~recent & (jnp.cumsum(valid, -1) <= n_sink)
+    text = valid & ~is_image & text_prior
+    cls = jnp.where(recent, 4, jnp.where(sink, 3, jnp.where(text, 1, 0)))
+    cls = jnp.broadcast_to(jnp.where(valid, cls, -1).astype(jnp.int32)[:, None, :], (b, h, l))
+    if image_quota is not None:
+        pool = valid & ~recent & ~sink  # [B, L] the ranked candidates
+        image_pool = jnp.broadcast_to((pool & is_image)[:, None, :], (b, h, l))
+        reserved = within_group_rank(scores, image_pool) < image_quota_slots(
+            image_quota, n_important, pool, pool & is_image)[:, None, None]
+        cls = jnp.where(image_pool & reserved, 2, cls)  # [B, H, L]
+    return cls, sink
+
+
+def _rank_keys(scores, cls, sink):
+    """Sort keys of the within-head priority: (-class, -score (sinks: 0, by position)), each [B, H, L]."""
+    return -cls, jnp.where(sink[:, None, :], 0.0, -scores.astype(jnp.float32))
+
+
+def adaptive_head_slots(
+    scores: jax.Array,
+    valid: jax.Array,
+    is_image: jax.Array,
+    n_recent: jax.Array,
+    n_important: jax.Array,
+    *,
+    groups: int,
+    head_floor: float,
+    text_prior: bool,
+    n_sink: int = 0,
+    image_quota: float | str | None = None,
+) -> jax.Array:
+    """AdaKV's allocation (Feng et al. 2024): each head's ranked slots [B, H] int32.
+
+    The H heads split into ``groups`` consecutive groups of H_g (a device's heads on a mesh); per row
+    and group the H_g x N_b ranked slots go, after a floor of F = min(floor(head_floor x N_b), C_b)
+    per head (C_b = the row's candidates outside the recent window), to the best candidates of all
+    the group's heads by ONE ranking: (class, score) as within a head (`select_slots`), then head,
+    then position, ascending. A head's F floor slots are its own F best. Sums: H_g x min(N_b, C_b)
+    per group; the heads' slots are then chosen per head by `select_slots(head_slots=...)`.
+    """
+    b, h, l = scores.shape
+    hg = h // groups
+    cls, sink = _classes(scores, valid, is_image, n_recent, n_important, text_prior=text_prior, n_sink=n_sink,
+                         image_quota=image_quota)
+    neg_cls, neg_score = _rank_keys(scores, cls, sink)
+    pos = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, h, l))
+    _, _, order = lax.sort((neg_cls, neg_score, pos), num_keys=3)
+    rank = per_head(lambda o: jnp.zeros(l, jnp.int32).at[o].set(jnp.arange(l, dtype=jnp.int32)))(order)  # [B, H, L]
+    candidates = valid.sum(-1) - jnp.minimum(n_recent, valid.sum(-1))  # [B] C_b
+    table = np.floor(head_floor * np.arange(l + 1)).astype(np.int32)  # a static table: fp32 never rounds the floor
+    floor = jnp.minimum(jnp.asarray(table)[jnp.clip(n_important, 0, l)], candidates)  # [B] F
+    shared = hg * (jnp.minimum(n_important, candidates) - floor)  # [B] slots the group's top-k gives out
+    # Candidates past each head's floor; recent and padding tokens rank first in their head (class 4)
+    # or never (class -1), so a head's candidates are its ranks from min(M_b, L_b) on.
+    eligible = (cls >= 0) & (cls < 4) & (rank >= (valid.sum(-1) - candidates + floor)[:, None, None])
+    head = jnp.broadcast_to(jnp.arange(h, dtype=jnp.int32)[:, None], (b, h, l))
+
+    def grouped(x):  # [B, H, L] -> [B, G, H_g * L], head-major
+        return x.reshape(b, groups, hg * l)
+
+    _, _, _, top_head, _ = lax.sort(tuple(grouped(x) for x in ((~eligible).astype(jnp.int32), neg_cls, neg_score,
+                                                              head, pos)), num_keys=5)  # [B, G, H_g * L]
+    won = jnp.arange(hg * l) < shared[:, None, None]  # [B, 1, H_g * L] the group's top-k
+    local = top_head % hg
+    counts = jnp.sum((local[..., None] == jnp.arange(hg)) & won[..., None], axis=-2)  # [B, G, H_g]
+    return floor[:, None] + counts.reshape(b, h)
+
+
 def select_slots(
     scores: jax.Array,
     valid: jax.Array,
@@ -87,6 +160,7 @@ def select_slots(
     n_sink: int = 0,
     keep_all_text: bool = False,
     image_quota: float | str | None = None,
+    head_slots: jax.Array | None = None,
 ) -> Selection:
     """Choose the kept slots of every head (pure; traceable).
 
@@ -101,37 +175,32 @@ def select_slots(
       keep_all_text: static; also keep every sink and (text-prior) text token even beyond N, so a
         row keeps M + max(N, #sink-or-text tokens outside the window), truncated to S.
       image_quota: static; None, a fraction in [0, 1] or PROPORTIONAL: ranked slots reserved for
-        the best image tokens of each head (module docstring).
+        the best image tokens of each head (module docstring), floor(q N_b) of the row's N_b.
+      head_slots: [B, H] int, each head's own ranked slots instead of N_b (`adaptive_head_slots`);
+        None: N_b in every head.
     """
     b, h, l = scores.shape
     pos = jnp.arange(l, dtype=jnp.int32)
-    recent = recent_mask(valid, n_recent)  # [B, L]
-    sink = valid & ~recent & (jnp.cumsum(valid, -1) <= n_sink)
-    text = valid & ~is_image & text_prior
-    cls = jnp.where(recent, 4, jnp.where(sink, 3, jnp.where(text, 1, 0)))
-    cls = jnp.broadcast_to(jnp.where(valid, cls, -1).astype(jnp.int32)[:, None, :], (b, h, l))
-    if image_quota is not None:
-        pool = valid & ~recent & ~sink  # [B, L] the ranked candidates
-        image_pool = jnp.broadcast_to((pool & is_image)[:, None, :], (b, h, l))
-        reserved = within_group_rank(scores, image_pool) < image_quota_slots(
-            image_quota, n_important, pool, pool & is_image)[:, None, None]
-        cls = jnp.where(image_pool & reserved, 2, cls)  # [B, H, L]
-
-    neg_cls = -cls
-    neg_score = jnp.where(sink[:, None, :], 0.0, -scores.astype(jnp.float32))  # sinks: by position
+    cls, sink = _classes(scores, valid, is_image, n_recent, n_important, text_prior=text_prior, n_sink=n_sink,
+                         image_quota=image_quota)
+    neg_cls, neg_score = _rank_keys(scores, cls, sink)
     _, _, order = lax.sort((neg_cls, neg_score, jnp.broadcast_to(pos, (b, h, l))), num_keys=3)
 
-    count = n_recent + n_important
-    if keep_all_text:
-        must = ((cls[:, 0] == 1) | (cls[:, 0] == 3)).sum(-1)  # [B]: sinks and text, the same in every head
-        count = n_recent + jnp.maximum(n_important, must)
-    count = jnp.minimum(jnp.minimum(count, valid.sum(-1)), capacity)  # [B]
+    if head_slots is not None:
+        count = jnp.minimum(n_recent[:, None] + head_slots, valid.sum(-1)[:, None])  # [B, H]
+        count = jnp.minimum(count, capacity)[:, :, None]
+    else:
+        count = n_recent + n_important
+        if keep_all_text:
+            must = ((cls[:, 0] == 1) | (cls[:, 0] == 3)).sum(-1)  # [B]: sinks and text, the same in every head
+            count = n_recent + jnp.maximum(n_important, must)
+        count = jnp.minimum(jnp.minimum(count, valid.sum(-1)), capacity)[:, None, None]  # [B, 1, 1]
 
     if capacity > l:
         order = jnp.pad(order, ((0, 0), (0, 0), (0, capacity - l)), constant_values=l)
     top = order[..., :capacity]  # [B, H, S] by priority
     slot = jnp.arange(capacity)
-    chosen = jnp.sort(jnp.where(slot < count[:, None, None], top, l), axis=-1)  # [B, H, S], l = empty
+    chosen = jnp.sort(jnp.where(slot < count, top, l), axis=-1)  # [B, H, S], l = empty
     mask = chosen < l
     kept = per_head(lambda c: jnp.zeros(l, bool).at[c].set(True, mode="drop"))(chosen)  # [B, H, L]
     return Selection(jnp.where(mask, chosen, 0), mask, kept)

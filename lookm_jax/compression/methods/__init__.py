@@ -11,7 +11,7 @@ from lookm_jax.compression.methods.full import Full
 from lookm_jax.compression.methods.h2o import H2O
 from lookm_jax.compression.methods.lookm import LookM
 from lookm_jax.compression.methods.roco import RoCo
-from lookm_jax.compression.methods.snapkv import PyramidKV, SnapKV
+from lookm_jax.compression.methods.snapkv import AdaKV, PyramidKV, SnapKV
 from lookm_jax.compression.methods.streamingllm import StreamingLLM
 
 _REGISTRY: dict[str, type[Method]] = {
@@ -20,6 +20,7 @@ _REGISTRY: dict[str, type[Method]] = {
     "h2o": H2O,
     "snapkv": SnapKV,
     "pyramidkv": PyramidKV,
+    "adakv": AdaKV,
     "roco": RoCo,
     "lookm": LookM,
 }
@@ -61,5 +62,5 @@ def get_method(name: str, *, budget: float | None = None, **kwargs) -> Method:
     return cls(**kwargs)
 
 
-__all__ = ["METHODS", "Full", "H2O", "LookM", "Method", "PyramidKV", "RoCo", "ScorerMethod", "SnapKV", "StreamingLLM",
+__all__ = ["METHODS", "AdaKV", "Full", "H2O", "LookM", "Method", "PyramidKV", "RoCo", "ScorerMethod", "SnapKV", "StreamingLLM",
            "get_method", "method_class", "parameters"]

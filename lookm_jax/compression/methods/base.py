@@ -19,6 +19,7 @@ import numpy as np
 
 from lookm_jax.checks import is_int_at_least, is_real
 from lookm_jax.compression import budgets
+from lookm_jax.compression import heads as head_pool
 from lookm_jax.compression.compress import CompressedKV, SelectionSpec, compress_kv
 from lookm_jax.errors import InputError
 from lookm_jax.compression.scoring import column_stats
@@ -109,6 +110,14 @@ class ScorerMethod(Method):
     ``layer_split`` splits the total over the layers (``lookm_jax.compression.budgets``): "uniform"
     (M + N in every layer), "pyramid" (PyramidKV's linear schedule, steepness ``pyramid_beta``) or a
     tuple of per-layer weights; the recent window stays whole in every layer.
+
+    ``head_split`` splits a layer's ranked slots over its KV heads: "uniform" (N per head) or
+    "adaptive" (AdaKV: one top-k over the scores of all the heads of a group, each head keeping at
+    least floor(``head_floor`` x N); `select.adaptive_head_slots`). An adaptive layer stores exactly
+    its H_g x (M + N) slots per head group in one pool (`lookm_jax.compression.heads`).
+    ``head_groups``: G, the groups heads are allocated within (on a mesh: the "model" shards, so no
+    head's slots cross devices); None: the "model" axis of the mesh the method is traced under (1
+    without one).
     """
 
     alpha_recent: float = 0.1
@@ -116,6 +125,9 @@ class ScorerMethod(Method):
     block: int = 128
     layer_split: str | tuple[float, ...] = budgets.UNIFORM
     pyramid_beta: float = 20.0
+    head_split: str = head_pool.UNIFORM
+    head_floor: float = 0.2
+    head_groups: int | None = None
 
     def __post_init__(self):
         if not (_is_fraction(self.alpha_recent) and _is_fraction(self.alpha_important)
@@ -125,7 +137,17 @@ class ScorerMethod(Method):
         if not is_int_at_least(self.block, 1):
             raise InputError(f"block must be an int >= 1, got {self.block!r}")
         budgets.check_split(self.layer_split, self.pyramid_beta)
-        self.selection()  # validates the spec
+        spec = self.selection()  # validates the spec
+        if self.head_split not in head_pool.HEAD_SPLITS:
+            raise InputError(f"head_split must be one of {head_pool.HEAD_SPLITS}, got {self.head_split!r}")
+        if not (_is_fraction(self.head_floor) and not isinstance(self.head_floor, bool)):
+            raise InputError(f"head_floor must be a fraction in [0, 1], got {self.head_floor!r}")
+        if not (self.head_groups is None or is_int_at_least(self.head_groups, 1)):
+            raise InputError(f"head_groups must be None or an int >= 1, got {self.head_groups!r}")
+        if self.head_split == head_pool.ADAPTIVE and (spec.keep_all_text or spec.similarity_filter):
+            raise InputError("head_split='adaptive' cannot be combined with keep_all_text (its capacity is not "
+                             "M + N) or similarity_filter (it compares the t-th evicted token of every head, and "
+                             "adaptive heads evict different numbers)")
 
     # ---- what a subclass writes ----------------------------------------------------------------
     @abc.abstractmethod
@@ -182,7 +204,15 @@ class ScorerMethod(Method):
             f"{smallest_fraction(1, shortest):g})")
 
     def cache_layout(self, bucket_len: int, num_layers: int) -> tuple:
-        return self.layer_capacities(bucket_len, num_layers), self.selection().size_aware
+        layout = self.layer_capacities(bucket_len, num_layers), self.selection().size_aware
+        return layout if self.head_split == head_pool.UNIFORM else layout + (self.head_split, self.head_groups)
+
+    def groups(self) -> int | None:
+        """The head groups of an adaptive split (``head_groups``, or the traced-under mesh's "model"
+        shards); None: uniform."""
+        if self.head_split == head_pool.UNIFORM:
+            return None
+        return head_pool.mesh_groups() if self.head_groups is None else self.head_groups
 
     def layer_slots(self, valid: jax.Array, layer: LayerIndex | None) -> tuple[jax.Array, jax.Array]:
         """(recent window, ranked slots) per row in this layer, each [B] int32: ``slots`` with the ranked
@@ -208,5 +238,6 @@ class ScorerMethod(Method):
         return compress_kv(
             keys, values, self.score(queries, keys, valid, stats, m), is_image=is_image, valid=valid,
             n_recent=n_recent, n_important=n_important, **dataclasses.asdict(self.selection()),
-            capacity=self.capacity(keys.shape[2]), block=self.block,
+            capacity=self.capacity(keys.shape[2]), block=self.block, head_groups=self.groups(),
+            head_floor=self.head_floor,
         )

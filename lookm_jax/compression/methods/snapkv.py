@@ -69,3 +69,12 @@ class PyramidKV(SnapKV):
     SnapKV's uniform budget). Its own defaults otherwise: window 32, max pooling of width 7, beta 20."""
 
     layer_split: str | tuple[float, ...] = "pyramid"
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaKV(SnapKV):
+    """AdaKV (Feng et al. 2024) over SnapKV: SnapKV's scores, each layer's ranked slots split over its KV
+    heads by one top-k over all their scores with a per-head floor of 0.2 N (``head_split="adaptive"``;
+    AdaKV's alpha_safeguard 0.2); the same total, in one pool of exactly the allocated slots."""
+
+    head_split: str = "adaptive"

@@ -32,6 +32,9 @@ class StreamingLLM(ScorerMethod):
         if self.layer_split != "uniform":
             raise InputError("streamingllm ranks nothing, so it has no ranked slots to split over layers "
                              "(layer_split must be 'uniform')")
+        if self.head_split != "uniform":
+            raise InputError("streamingllm ranks nothing, so it has no ranked slots to split over heads "
+                             "(head_split must be 'uniform')")
 
     def selection(self) -> SelectionSpec:
         return SelectionSpec(n_sink=self.n_sink)
