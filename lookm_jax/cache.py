@@ -19,6 +19,12 @@ Per-layer budgets (`lookm_jax.compression.budgets`) give layer l its own P_l pro
 buffers hold P_l + room slots. Slot indices (`cursor`, `capacity`, `truncate_rows`) count in the
 largest layer's frame; layer l's buffer starts `layer_shifts[l]` = max P - P_l slots into it, so
 every layer writes a new token at cursor - shift and decode reads only what each layer kept.
+
+Head-adaptive budgets (AdaKV) keep different numbers of prompt slots per KV head: layer l's prompt
+is then one pool per row and head group, exactly the allocated H_g x P_l slots with each slot's KV
+head (`HeadPool`, `lookm_jax.compression.heads`), and its per-head buffers hold only the new tokens
+(they start at the prompt's capacity, `layer_shifts`). Caches without pools carry None: their
+programs are unchanged.
 """
 
 from __future__ import annotations
@@ -26,6 +32,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from lookm_jax.compression import heads as head_pool
+
+
+@struct.dataclass
+class HeadPool:
+    """One layer's prompt slots of all KV heads, per row and head group G (the "model" shards)."""
+
+    keys: jax.Array  # [B, G, D, P], RoPE-rotated at each token's original position
+    values: jax.Array  # [B, G, P, D]
+    positions: jax.Array  # [B, G, P] int32 original token position, -1 = empty slot
+    heads: jax.Array  # [B, G, P] int32 the slot's KV head within its group, -1 = empty slot
+    log_counts: jax.Array | None = None  # [B, G, P] fp32 log(tokens merged into the slot); None: all 0
 
 
 @struct.dataclass
@@ -36,6 +55,7 @@ class KVCache:
     cursor: jax.Array  # [] int32, next slot decode writes (shared by all rows)
     next_position: jax.Array  # [B] int32, RoPE position of each row's next token
     layer_log_counts: tuple[jax.Array, ...] | None = None  # N x [B, Hkv, S] fp32, 0 = one token; None: all 0
+    layer_pools: tuple[HeadPool, ...] | None = None  # N head-adaptive prompt pools; None: prompt slots per head
     layer_shifts: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)  # static; None: all 0
 
     def shift(self, index: int) -> int:
@@ -53,18 +73,29 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of keys and values (what decode reads each step)."""
-        return sum(a.nbytes for a in self.layer_keys + self.layer_values)
+        """Bytes of keys and values (what decode reads each step), pools included."""
+        pools = () if self.layer_pools is None else tuple(a for p in self.layer_pools for a in (p.keys, p.values))
+        return sum(a.nbytes for a in self.layer_keys + self.layer_values + pools)
 
     @property
     def slot_bytes(self) -> int:
         """Bytes of one slot of every layer (keys and values): what one more token costs."""
-        return sum(v.nbytes // v.shape[2] * 2 for v in self.layer_values)  # keys and values are the same size
+        b, h, _, d = self.layer_values[0].shape
+        return sum(b * h * d * v.dtype.itemsize * 2 for v in self.layer_values)  # keys and values the same size
 
     # Stacked [N, B, Hkv, S(, D)] views in the largest layer's frame (a smaller layer's missing slots
-    # empty), for inspection and tests; each call builds a new array.
-    def _stacked(self, layers, slot_axis: int, fill) -> jax.Array:
+    # empty), for inspection and tests; each call builds a new array. With pools, each head's prompt
+    # slots come first in H_g x max P_l slots (as many as one head may keep, `heads.unpool`), then its
+    # new tokens.
+    def _stacked(self, layers, field: str, slot_axis: int, fill) -> jax.Array:
         def framed(index, a):
+            if self.layer_pools is not None:
+                pool = self.layer_pools[index]
+                pooled = getattr(pool, field)
+                pooled = pooled.swapaxes(-1, -2) if field == "keys" else pooled
+                width = max(p.heads.shape[2] for p in self.layer_pools)
+                prompt = head_pool.unpool(pooled, pool.heads, a.shape[1], width, fill)
+                return jnp.concatenate([prompt.swapaxes(-1, -2) if field == "keys" else prompt, a], axis=slot_axis)
             pad = [(0, 0)] * a.ndim
             pad[slot_axis] = (self.shift(index), 0)
             return jnp.pad(a, pad, constant_values=fill)
@@ -72,20 +103,20 @@ class KVCache:
 
     @property
     def keys(self) -> jax.Array:
-        return self._stacked(self.layer_keys, 3, 0).swapaxes(-1, -2)
+        return self._stacked(self.layer_keys, "keys", 3, 0).swapaxes(-1, -2)
 
     @property
     def values(self) -> jax.Array:
-        return self._stacked(self.layer_values, 2, 0)
+        return self._stacked(self.layer_values, "values", 2, 0)
 
     @property
     def positions(self) -> jax.Array:
-        return self._stacked(self.layer_positions, 2, -1)
+        return self._stacked(self.layer_positions, "positions", 2, -1)
 
     @classmethod
     def from_prompt(cls, keys: jax.Array, values: jax.Array, positions: jax.Array, next_position: jax.Array,
                     max_new_tokens: int, log_counts: jax.Array | None = None,
-                    layer_slots: tuple[int, ...] | None = None) -> "KVCache":
+                    layer_slots: tuple[int, ...] | None = None, heads: jax.Array | None = None) -> "KVCache":
         """Write every layer's (compressed) prompt slots into a cache with room for the new tokens.
 
         keys/values [N, B, Hkv, P, D] and positions [N, B, Hkv, P] (as the prompt encoder's layer
@@ -95,7 +126,14 @@ class KVCache:
         merge, or None. layer_slots (static): each layer's P_l <= P, when layers keep different
         numbers (layer l's occupied slots must come first); None: P in every layer. Capacity
         max P_l + max_new_tokens, cursor max P_l.
+
+        heads [N, B, G, H_g x P] (a head-adaptive method's pools, `compression.heads`): keys/values
+        [N, B, G, H_g x P, D] and positions/log_counts [N, B, G, H_g x P] are pools; layer l keeps
+        its first H_g x P_l pool slots and per-head buffers of max_new_tokens slots (Hkv = G x H_g).
         """
+        if heads is not None:
+            return cls._from_pools(keys, values, positions, next_position, max_new_tokens, log_counts,
+                                   layer_slots, heads)
         n = keys.shape[0]
         layer_slots = (keys.shape[3],) * n if layer_slots is None else tuple(layer_slots)
         top = max(layer_slots)
@@ -110,6 +148,38 @@ class KVCache:
                    next_position=next_position.astype(jnp.int32),
                    layer_log_counts=None if log_counts is None else per_layer(log_counts),
                    layer_shifts=None if len(set(layer_slots)) == 1 else tuple(top - s for s in layer_slots))
+
+    @classmethod
+    def _from_pools(cls, keys, values, positions, next_position, max_new_tokens, log_counts, layer_slots,
+                    heads) -> "KVCache":
+        n, b, groups, size, d = keys.shape
+        layer_slots = (size,) * n if layer_slots is None else tuple(layer_slots)
+        top = max(layer_slots)
+        hkv = groups * (size // top)
+
+        def pools(i):
+            cut = size // top * layer_slots[i]  # H_g x P_l: the layer's occupied slots come first
+            return HeadPool(keys=keys[i, :, :, :cut].swapaxes(-1, -2), values=values[i, :, :, :cut],
+                            positions=positions[i, :, :, :cut], heads=heads[i, :, :, :cut],
+                            log_counts=None if log_counts is None else log_counts[i, :, :, :cut])
+
+        new = (b, hkv, max_new_tokens)
+        return cls(layer_keys=(jnp.zeros((b, hkv, d, max_new_tokens), keys.dtype),) * n,
+                   layer_values=(jnp.zeros(new + (d,), values.dtype),) * n,
+                   layer_positions=(jnp.full(new, -1, jnp.int32),) * n, cursor=jnp.asarray(top, jnp.int32),
+                   next_position=next_position.astype(jnp.int32),
+                   layer_log_counts=None if log_counts is None else (jnp.zeros(new, jnp.float32),) * n,
+                   layer_pools=tuple(pools(i) for i in range(n)), layer_shifts=(top,) * n)
+
+    def pool(self, index: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None] | None:
+        """Layer `index`'s (static) prompt pool for attention: keys [B, G, D, P], values [B, G, P, D],
+        each KV head's slots [B, Hkv, P] bool and their additive logits [B, G, P] (None: 0); None
+        without pools."""
+        if self.layer_pools is None:
+            return None
+        pool = self.layer_pools[index]
+        return pool.keys, pool.values, head_pool.slot_heads(pool.heads, self.layer_values[index].shape[1]), \
+            pool.log_counts
 
     def layer(self, index: int) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Layer `index` (static): keys [B, Hkv, D, S], values [B, Hkv, S, D] and the valid-slot mask
@@ -183,18 +253,24 @@ class KVCache:
         if len({c.capacity for c in caches}) != 1 or len({int(c.cursor) for c in caches}) != 1:
             raise ValueError(f"caches need equal capacity and cursor to share a decode, got capacities "
                              f"{[c.capacity for c in caches]} and cursors {[int(c.cursor) for c in caches]}")
-        if len({c.layer_log_counts is None for c in caches}) != 1 or len({c.layer_shifts for c in caches}) != 1:
-            raise ValueError("caches with and without size-aware slots, or with different per-layer slots, cannot "
-                             "share a decode")
+        if (len({c.layer_log_counts is None for c in caches}) != 1 or len({c.layer_shifts for c in caches}) != 1
+                or len({c.layer_pools is None for c in caches}) != 1):
+            raise ValueError("caches with and without size-aware slots, with different per-layer slots, or with "
+                             "and without head pools cannot share a decode")
 
         def rows(field):
             return tuple(jnp.concatenate(layer) for layer in zip(*(getattr(c, field) for c in caches)))
+
+        pools = None
+        if caches[0].layer_pools is not None:
+            pools = tuple(jax.tree.map(lambda *a: jnp.concatenate(a), *layer)
+                          for layer in zip(*(c.layer_pools for c in caches)))
 
         return KVCache(layer_keys=rows("layer_keys"), layer_values=rows("layer_values"),
                        layer_positions=rows("layer_positions"), cursor=caches[0].cursor,
                        next_position=jnp.concatenate([c.next_position for c in caches]),
                        layer_log_counts=None if caches[0].layer_log_counts is None else rows("layer_log_counts"),
-                       layer_shifts=caches[0].layer_shifts)
+                       layer_pools=pools, layer_shifts=caches[0].layer_shifts)
 
 
 @jax.jit

@@ -116,16 +116,16 @@ def _compressed_prompt(cfg, params, input_ids, valid, pixel_values, method, room
 
     text_cfg = llava.text_config(cfg)
 
-    def compress(q, k, v, stats, index):  # one layer, inside the layer loop: [B, Hkv, kept, D] slots
+    def compress(q, k, v, stats, index):  # one layer, inside the layer loop: [B, Hkv, kept, D] slots (or a pool)
         kept = method(q, k, v, is_image, valid, stats=stats, layer=LayerIndex(index, text_cfg.num_layers))
-        return kept.keys.astype(k.dtype), kept.values.astype(v.dtype), kept.positions, kept.log_counts
+        return kept.keys.astype(k.dtype), kept.values.astype(v.dtype), kept.positions, kept.log_counts, kept.heads
 
     positions, next_position = llava.rope_positions(cfg, input_ids, valid, pixel_values)  # [(3,) B, L], [B]
     h, kept = llama.encode(text_cfg, params["text"], x, valid, method.statistics, compress, positions)
-    keys, values, kept_positions, log_counts = kept  # [N, B, Hkv, kept(, D)]
+    keys, values, kept_positions, log_counts, heads = kept  # [N, B, Hkv, kept(, D)]
     layer_slots = method.layer_capacities(x.shape[1], text_cfg.num_layers)
     cache = constrain_cache(  # placed as on the mesh, if any
-        KVCache.from_prompt(keys, values, kept_positions, next_position, room, log_counts, layer_slots))
+        KVCache.from_prompt(keys, values, kept_positions, next_position, room, log_counts, layer_slots, heads))
     return h, cache, is_image
 
 
@@ -301,12 +301,13 @@ def compress_prefilled(prefilled: Prefilled, *, method, max_new_tokens: int) -> 
         queries = queries.at[rows, prefilled.window_positions].set(q_window.transpose(0, 2, 1, 3))
         kept = method(queries.transpose(0, 2, 1, 3), k, v, prefilled.is_image, prefilled.valid,
                       stats={name: stats[name] for name in method.statistics}, layer=LayerIndex(index, num_layers))
-        return index + 1, (kept.keys.astype(k.dtype), kept.values.astype(v.dtype), kept.positions, kept.log_counts)
+        return index + 1, (kept.keys.astype(k.dtype), kept.values.astype(v.dtype), kept.positions, kept.log_counts,
+                           kept.heads)
 
     layer_inputs = (prefilled.keys, prefilled.values, prefilled.stats, prefilled.window_queries)
     num_layers = prefilled.keys.shape[0]
     _, kept = jax.lax.scan(layer, jnp.asarray(0, jnp.int32), layer_inputs)
-    keys, values, positions, log_counts = kept
+    keys, values, positions, log_counts, heads = kept
     return KVCache.from_prompt(keys, values, positions, prefilled.next_position, max_new_tokens, log_counts,
-                               method.layer_capacities(length, num_layers))
+                               method.layer_capacities(length, num_layers), heads)
 

@@ -12,7 +12,8 @@ hidden states, as in Megatron-LM.
 Each layer's KV cache is [B over "data", Hkv over "model", ...] (keys [.., D, S], values
 [.., S, D]), so each device holds, scores, compresses and attends to its own rows' own KV heads:
 compression is per (row, head) and never gathers the cache (tests/mesh_check.py checks the
-compiled HLO). Hkv must divide over "model".
+compiled HLO). Hkv must divide over "model". A head-adaptive method's pools ([B, G, ...], G head groups)
+split their groups over "model": with G the "model" shards each device allocates among its own heads.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from lookm_jax.cache import KVCache
+from lookm_jax.cache import HeadPool, KVCache
 from lookm_jax.checks import is_int_at_least
 
 DATA, MODEL = "data", "model"
@@ -116,11 +117,16 @@ def place_rows(mesh: Mesh, *arrays) -> list[jax.Array]:
 
 
 def cache_specs(cache: KVCache) -> KVCache:
-    """The PartitionSpec of every cache leaf: rows over "data", KV heads over "model"."""
+    """The PartitionSpec of every cache leaf: rows over "data", KV heads (a pool's head groups) over "model"."""
     n = cache.num_layers
+    pools = None
+    if cache.layer_pools is not None:
+        pools = tuple(HeadPool(keys=KV_SPEC, values=KV_SPEC, positions=POSITIONS_SPEC, heads=POSITIONS_SPEC,
+                               log_counts=None if p.log_counts is None else POSITIONS_SPEC) for p in cache.layer_pools)
     return KVCache(layer_keys=(KV_SPEC,) * n, layer_values=(KV_SPEC,) * n, layer_positions=(POSITIONS_SPEC,) * n,
                    cursor=P(), next_position=P(DATA), layer_shifts=cache.layer_shifts,
-                   layer_log_counts=None if cache.layer_log_counts is None else (POSITIONS_SPEC,) * n)
+                   layer_log_counts=None if cache.layer_log_counts is None else (POSITIONS_SPEC,) * n,
+                   layer_pools=pools)
 
 
 def constrain_cache(cache: KVCache) -> KVCache:

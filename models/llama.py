@@ -128,7 +128,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
 
 
 def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array, k: jax.Array,
-                v: jax.Array, own_mask: jax.Array | bool = True, bias: jax.Array | None = None) -> jax.Array:
+                v: jax.Array, own_mask: jax.Array | bool = True, bias: jax.Array | None = None,
+                pool: tuple | None = None) -> jax.Array:
     """Q new tokens attend, in one softmax, to the cache (k_cache [B, Hkv, D, S], v_cache
     [B, Hkv, S, D], valid slots mask [B, Hkv, S]: `KVCache.layer`) and to their own block (k/v
     [B, Hkv, Q, D]): q [B, Hq, Q, D] -> [B, Hq, Q, D]. A decode step is Q = 1.
@@ -136,6 +137,9 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
     own_mask: which of the block's keys each query sees, broadcastable to [B, Hkv, G, Q, Q] (a
     question prefilled onto the cache: causal and not padding; True for one token). bias: optional
     additive logits per cache slot [B, Hkv, S] (e.g. a per-slot log-count); None adds nothing.
+    pool: a head-adaptive prompt pool (`KVCache.pool`: keys [B, Gh, D, P], values [B, Gh, P, D], each
+    KV head's slots [B, Hkv, P], log-counts [B, Gh, P] or None), attended in the same softmax: every
+    query head of a group against all the pool's slots (one read of the pool), masked to its KV head's.
     The cache is read before the block is written into it (``KVCache.append``/``write(..., after=)``):
     reading the updated buffer would make XLA copy the cache.
     """
@@ -143,9 +147,26 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
     if bias is not None:
         cached = cached + bias[:, :, None, None, :].astype(cached.dtype)
     own = _masked_scores(q, k, own_mask)  # [B, Hkv, G, Q, Q]
-    probs = jax.nn.softmax(jnp.concatenate([cached, own], axis=-1), axis=-1)
+    parts = [cached, own]
+    if pool is not None:
+        pool_keys, pool_values, pool_mask, pool_bias = pool
+        b, hq, lq, d = q.shape
+        groups, size = pool_keys.shape[1], pool_keys.shape[-1]
+        hkv = mask.shape[1]
+        pooled = jnp.einsum("bgqd,bgdp->bgqp", q.reshape(b, groups, hq // groups * lq, d), pool_keys,
+                            preferred_element_type=jnp.float32) * d**-0.5  # [B, Gh, H_g * G * Q, P]
+        if pool_bias is not None:
+            pooled = pooled + pool_bias[:, :, None, :].astype(pooled.dtype)
+        pooled = pooled.reshape(b, hkv, hq // hkv, lq, size)  # [B, Hkv, G, Q, P]
+        parts.insert(0, jnp.where(pool_mask[:, :, None, None, :], pooled, _MASKED))
+    probs = jax.nn.softmax(jnp.concatenate(parts, axis=-1), axis=-1)
+    if pool is not None:
+        mix = probs[..., :size].astype(pool_values.dtype).reshape(b, groups, hq // groups * lq, size)
+        from_pool = jnp.einsum("bgqp,bgpd->bgqd", mix, pool_values).reshape(b, hq, lq, d)
+        probs = probs[..., size:]
     slots = cached.shape[-1]
-    return _mix_values(probs[..., :slots], v_cache) + _mix_values(probs[..., slots:], v)
+    out = _mix_values(probs[..., :slots], v_cache) + _mix_values(probs[..., slots:], v)
+    return out if pool is None else from_pool + out
 
 
 def _query_groups(n_blocks: int) -> list[tuple[int, int]]:
@@ -304,7 +325,7 @@ def decode_step(cfg: LlamaConfig, params: dict, x: jax.Array, cache: KVCache) ->
     h = x[:, None]  # [B, 1, H]
     for index, lp in enumerate(params["layers"]):
         q, k, v = project_qkv(cfg, lp, h, cos, sin)  # q [B, Hq, 1, D], k/v [B, Hkv, 1, D]
-        attn = attend_step(q, *cache.layer(index), k, v, bias=cache.attend_bias(index))
+        attn = attend_step(q, *cache.layer(index), k, v, bias=cache.attend_bias(index), pool=cache.pool(index))
         cache = cache.append(index, k, v, after=attn.reshape(k.shape[:2] + (-1,) + k.shape[2:])[:, :, 0])
         h = finish_layer(cfg, lp, h, attn)
     return final_hidden(cfg, params, h[:, 0]), cache.advance()
@@ -329,7 +350,7 @@ def encode_onto_cache(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.A
     h = x
     for index, lp in enumerate(params["layers"]):
         q, k, v = project_qkv(cfg, lp, h, cos, sin)  # q [B, Hq, Q, D], k/v [B, Hkv, Q, D]
-        attn = attend_step(q, *cache.layer(index), k, v, own_mask, cache.attend_bias(index))
+        attn = attend_step(q, *cache.layer(index), k, v, own_mask, cache.attend_bias(index), cache.pool(index))
         cache = cache.write(index, k, v, written, after=attn.reshape(k.shape[:2] + (-1,) + k.shape[2:])[:, :, 0])
         h = finish_layer(cfg, lp, h, attn)
     return final_hidden(cfg, params, h), cache.advance(width, valid.sum(axis=1).astype(jnp.int32))

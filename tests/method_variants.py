@@ -21,6 +21,8 @@ VARIANTS: list[tuple[str, dict]] = [(name, {}) for name in METHODS] + [
     ("lookm", {"image_quota": 0.5, "merge": None}),
     ("lookm", {"image_quota": "proportional", "merge_scope": "same_modality"}),
     ("lookm", {"merge": "averaged", "size_aware": True}),
+    ("adakv", {"head_floor": 0.0}),
+    ("lookm", {"head_split": "adaptive", "merge": "averaged", "size_aware": True}),  # merged within each head
 ]
 DEFAULTS = [v for v in VARIANTS if not v[1]]  # one per method, at its defaults
 

@@ -43,8 +43,9 @@ def test_matches_reference(name, params):
     method = _default(name, **params)
     out = _run(method, *inputs)
     s = method.capacity(L)
-    chex.assert_shape([out.keys, out.values], (2, 2, s, 8))
-    chex.assert_shape([out.positions, out.mask], (2, 2, s))
+    shape = (2, 2, s) if out.heads is None else (2, 1, 2 * s)  # head-adaptive: one pool of both heads' slots
+    chex.assert_shape([out.keys, out.values], shape + (8,))
+    chex.assert_shape([out.positions, out.mask] + ([] if out.heads is None else [out.heads]), shape)
     chex.assert_type([out.keys, out.positions, out.mask], [jnp.float32, jnp.int32, jnp.bool_])
     ref.check_against(out, ref.run_method(name, {**BUDGET, **params}, *inputs, layer=LAYER))
 
@@ -62,8 +63,9 @@ def test_gqa_matches_reference(name, params, hkv):
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), lengths=st.lists(st.integers(1, L), min_size=2, max_size=2))
 def test_budget_and_padding(name, seed, lengths):
-    """Exactly min(M + N, L_b) kept per head (all L_b for full), the always-kept tail is kept,
-    padding is never kept, and garbage at padded positions changes nothing (never attended)."""
+    """Exactly min(M + N, L_b) kept per head (all L_b for full; head-adaptive: twice that over the two
+    heads), the always-kept tail is kept, padding is never kept, and garbage at padded positions
+    changes nothing (never attended)."""
     method = _default(name)
     q, k, v, is_image, valid = ref.make_inputs(seed, length=L, lengths=lengths)
     out = _run(method, q, k, v, is_image, valid)
@@ -73,6 +75,9 @@ def test_budget_and_padding(name, seed, lengths):
         for b in range(2):
             x[b, :, ~valid[b]] = rng.normal(scale=50, size=x[b, :, ~valid[b]].shape)
     chex.assert_trees_all_equal(out, _run(method, *noisy, is_image, valid))
+    adaptive = out.heads is not None
+    if adaptive:
+        out = out.per_head(2, L)
     pos, mask = np.asarray(out.positions), np.asarray(out.mask)
     for b, n_b in enumerate(lengths):
         if isinstance(method, ScorerMethod):
@@ -81,9 +86,10 @@ def test_budget_and_padding(name, seed, lengths):
             tail = total - min(4, total) if name == "streamingllm" else m_b
         else:
             tail = total = n_b
+        assert mask[b].sum() == 2 * min(total, n_b)
         for h in range(2):
             kept = pos[b, h][mask[b, h]]
-            assert len(kept) == min(total, n_b)
+            assert adaptive or len(kept) == min(total, n_b)
             assert valid[b, kept].all()
             assert set(ref.recent_positions(valid[b], tail)) <= set(kept)
 
@@ -95,7 +101,10 @@ def test_budget_at_least_prompt_without_merge_is_full_cache(name):
     method = get_method(name, **params)
     inputs = ref.make_inputs(2, length=L, lengths=[L, 10])
     assert method.capacity(L) == L
-    chex.assert_trees_all_equal(_run(method, *inputs), _run(get_method("full"), *inputs))
+    out = _run(method, *inputs)
+    if out.heads is not None:  # head-adaptive: its pool read per head
+        out = out.per_head(2, L)
+    chex.assert_trees_all_equal(out, _run(get_method("full"), *inputs))
 
 
 @pytest.mark.parametrize("name,params", VARIANTS, ids=ids(VARIANTS))
@@ -123,7 +132,7 @@ def test_one_compilation_per_bucket():
 
 
 def test_get_method():
-    assert METHODS == ("full", "streamingllm", "h2o", "snapkv", "pyramidkv", "roco", "lookm")
+    assert METHODS == ("full", "streamingllm", "h2o", "snapkv", "pyramidkv", "adakv", "roco", "lookm")
     assert get_method("lookm") == LookM(alpha_recent=0.1, alpha_important=0.1, merge="pivotal", text_prior=True)
     assert get_method("h2o", budget=0.2) == get_method("h2o", alpha_recent=0.1, alpha_important=0.1)
     assert get_method("full").capacity(100) == 100
