@@ -6,8 +6,9 @@
 Prints one table of figures and ratios (steady-state times are the best of --repeats runs,
 interleaved across configurations; compile time is reported apart):
   * decode ms/token with the full cache and LOOK-M (paper default: text-prior, pivotal merge) at
-    20% and 5% budget, SnapKV (uniform per layer) and PyramidKV (the same total split over layers)
-    at 20% and 5%, and the ratio to full; the bytes one decode step reads (decoder weights,
+    20% and 5% budget, SnapKV (uniform per layer), PyramidKV (the same total split over layers)
+    and AdaKV (each layer's total split over its KV heads, in one pool) at 20% and 5%, and the
+    ratio to full; the bytes one decode step reads (decoder weights,
     the tied head included, + the whole static K/V cache: empty slots are masked, not skipped),
     the bound bytes / bandwidth with the memory read bandwidth measured in the same run, and how
     close each measured step comes to its bound; and, since XLA:CPU's batch-1 dots and cache
@@ -43,7 +44,7 @@ from bench_args import at_least, json_path
 from decode_cpu import WORDS, KernelTimes, peak_rss_mib, read_bandwidth_gbs
 
 IMAGE_FRACTION = 0.8
-ADAPTIVE_TWINS = {"PyramidKV": "SnapKV"}  # adaptive layout -> the uniform method it redistributes
+ADAPTIVE_TWINS = {"PyramidKV": "SnapKV", "AdaKV": "SnapKV"}  # adaptive layout -> the uniform method it redistributes
 MIB = 2**20
 
 
@@ -194,7 +195,7 @@ def main() -> None:
                "LOOK-M 5%": lookm_jax.get_method("lookm", budget=0.05),
                "LOOK-M 20%, scores recomputed": recomputed_scores(lookm20)}
     for budget in (0.2, 0.05):
-        for name in ADAPTIVE_TWINS.values():
+        for name in dict.fromkeys((*ADAPTIVE_TWINS.values(), *ADAPTIVE_TWINS)):  # each uniform twin once
             configs[f"{name} {budget:.0%}"] = lookm_jax.get_method(name.lower(), budget=budget)
     timed = time_configs(model, ids, pixels, configs, args.new_tokens, args.repeats)
     bandwidth = read_bandwidth_gbs()

@@ -36,11 +36,15 @@ from lookm_jax.models.config import CLIPVisionConfig, LlamaConfig, LlavaConfig, 
 D, BUCKET, NEW = 8, 64, 4
 IMAGE = 255
 MESHES = {"2x2": (2, 2), "4x1": (4, 1)}  # data x model
-RUN_METHODS = {"full": get_method("full"), "lookm": get_method("lookm", budget=0.4)}  # pivotal merge
-# Each pair costs a prefill + decode compile: LOOK-M on both meshes, the full cache on 2x2.
-MESH_RUNS = [("2x2", "full"), ("2x2", "lookm"), ("4x1", "lookm")]
+# LOOK-M: pivotal merge. AdaKV: its heads allocated within the 2 head groups a 2-way "model" axis
+# holds (on one device too, so the caches agree), at a budget whose pool (2 x 32 slots) is BUCKET long.
+RUN_METHODS = {"full": get_method("full"), "lookm": get_method("lookm", budget=0.4),
+               "adakv": get_method("adakv", budget=0.5, head_groups=2)}
+# Each pair costs a prefill + decode compile: LOOK-M on both meshes, the full cache and AdaKV on 2x2.
+MESH_RUNS = [("2x2", "full"), ("2x2", "lookm"), ("4x1", "lookm"), ("2x2", "adakv")]
 KEPT = RUN_METHODS["lookm"].capacity(BUCKET)  # 24
-PER_HEAD_LENGTHS = {BUCKET, KEPT, KEPT + NEW, BUCKET + NEW}
+# (2 x BUCKET: AdaKV's one ranking over a head group's candidates)
+PER_HEAD_LENGTHS = {BUCKET, KEPT, KEPT + NEW, BUCKET + NEW, 2 * BUCKET}
 COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%\S+ = (?P<shape>.+?) "
                         r"(?P<op>all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
 
@@ -167,9 +171,13 @@ def test_mesh_generation_equals_single_device_without_gathering_kv(sharded, sing
     kv_split = NamedSharding(sharded_model.mesh, sharding.KV_SPEC)
     assert all(k.sharding.is_equivalent_to(kv_split, 4) for k in cache.layer_keys + cache.layer_values)
     data, model_axis = MESHES[mesh_name]
-    slots = RUN_METHODS[name].capacity(BUCKET) + NEW
+    slots = NEW if cache.layer_pools else RUN_METHODS[name].capacity(BUCKET) + NEW  # a pool holds the prompt
     chex.assert_shape([k.addressable_shards[0].data for k in cache.layer_keys],  # keys [B, Hkv, D, S]
                       [(4 // data, 4 // model_axis, D, slots)] * 2)
+    if cache.layer_pools:  # each device holds its own head group's pool: [B, G, D, H_g x P]
+        assert all(p.keys.sharding.is_equivalent_to(kv_split, 4) for p in cache.layer_pools)
+        chex.assert_shape([p.keys.addressable_shards[0].data for p in cache.layer_pools],
+                          [(4 // data, 2 // model_axis, D, BUCKET)] * 2)
     weights = {a.shape for a in jax.tree.leaves(sharded_model.params) if a.ndim >= 2}
     for program_name, program in (("prefill", prefill), ("decode", decode)):
         moved = per_head_collectives(program.as_text())
@@ -191,7 +199,7 @@ def test_compression_alone_has_no_collectives(model, name):
     device (numerics on a mesh: the generation test above). One exception, not a per-head array:
     SnapKV's top_k over the [B, L] positions of its query window, whose rows XLA's partitioner
     gathers."""
-    method = build(name, {}, budget=0.4)
+    method = build(name, {"head_groups": 2} if name == "adakv" else {}, budget=0.4)  # a head group per device
     rng = np.random.default_rng(2)
     q, k, v = (rng.standard_normal((4, h, BUCKET, D)).astype(np.float32) for h in (8, 4, 4))
     valid = np.arange(BUCKET)[None] < np.asarray([64, 50, 33, 60])[:, None]
@@ -201,11 +209,13 @@ def test_compression_alone_has_no_collectives(model, name):
     args = [jax.device_put(a, heads) for a in (q, k, v)]
     args += [jax.device_put(a, NamedSharding(mesh, sharding.ROWS)) for a in (is_image, valid)]
     compiled = jax.jit(functools.partial(method, layer=LayerIndex(0, 3))).lower(*args).compile()
-    expected = [("all-gather", [(4, BUCKET)])] if name in ("snapkv", "pyramidkv") else []
+    expected = [("all-gather", [(4, BUCKET)])] if name in ("snapkv", "pyramidkv", "adakv") else []
     assert collectives(compiled.as_text()) == expected, name
     kept = compiled(*args)
     assert kept.keys.sharding.is_equivalent_to(heads, 4), kept.keys.sharding
-    chex.assert_shape(kept.keys.addressable_shards[0].data, (2, 2, method.capacity(BUCKET), D))
+    pooled = kept.heads is not None  # [B, G, H_g x S, D]: one head group of two heads per device
+    chex.assert_shape(kept.keys.addressable_shards[0].data, (2, 1, 2 * method.capacity(BUCKET), D) if pooled
+                      else (2, 2, method.capacity(BUCKET), D))
 
 
 def test_detector_sees_a_gathered_cache_and_an_iota_indexed_scatter():

@@ -62,5 +62,5 @@ def get_method(name: str, *, budget: float | None = None, **kwargs) -> Method:
     return cls(**kwargs)
 
 
-__all__ = ["METHODS", "AdaKV", "Full", "H2O", "LookM", "Method", "PyramidKV", "RoCo", "ScorerMethod", "SnapKV", "StreamingLLM",
-           "get_method", "method_class", "parameters"]
+__all__ = ["METHODS", "AdaKV", "Full", "H2O", "LookM", "Method", "PyramidKV", "RoCo", "ScorerMethod", "SnapKV",
+           "StreamingLLM", "get_method", "method_class", "parameters"]

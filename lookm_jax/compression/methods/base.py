@@ -42,7 +42,8 @@ class Method(abc.ABC):
     one layer, ``method(queries, keys, values, is_image, valid, stats=None, layer=None)`` with queries
     [B, Hq, L, D] and keys/values [B, Hkv, L, D] (RoPE applied), is_image/valid [B, L] bool, layer a
     ``LayerIndex``, returns a ``CompressedKV`` of ``capacity`` slots, of which the first
-    ``layer_capacities[layer]`` can be occupied. Pure and traceable with static shapes.
+    ``layer_capacities[layer]`` can be occupied (per head; a head-adaptive method pools its G head
+    groups' slots, H_g x as many per group, ``CompressedKV.heads``). Pure and traceable with static shapes.
 
     ``statistics`` (a class constant, so static) names the column statistics of the prompt's
     causal attention that the method ranks by (``lookm_jax.compression.scoring.STATISTICS``). The prefill
