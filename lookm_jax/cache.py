@@ -127,9 +127,10 @@ class KVCache:
         numbers (layer l's occupied slots must come first); None: P in every layer. Capacity
         max P_l + max_new_tokens, cursor max P_l.
 
-        heads [N, B, G, H_g x P] (a head-adaptive method's pools, `compression.heads`): keys/values
-        [N, B, G, H_g x P, D] and positions/log_counts [N, B, G, H_g x P] are pools; layer l keeps
-        its first H_g x P_l pool slots and per-head buffers of max_new_tokens slots (Hkv = G x H_g).
+        heads [N, B, G, H_g x P] (a head-adaptive method's pools, `compression.heads`; needs
+        layer_slots): keys/values [N, B, G, H_g x P, D] and positions/log_counts [N, B, G, H_g x P]
+        are pools; layer l keeps its first H_g x P_l pool slots and per-head buffers of
+        max_new_tokens slots (Hkv = G x H_g).
         """
         if heads is not None:
             return cls._from_pools(keys, values, positions, next_position, max_new_tokens, log_counts,
@@ -153,7 +154,8 @@ class KVCache:
     def _from_pools(cls, keys, values, positions, next_position, max_new_tokens, log_counts, layer_slots,
                     heads) -> "KVCache":
         n, b, groups, size, d = keys.shape
-        layer_slots = (size,) * n if layer_slots is None else tuple(layer_slots)
+        if layer_slots is None:
+            raise ValueError("pools need layer_slots (each layer's slots per head) to know their heads per group")
         top = max(layer_slots)
         hkv = groups * (size // top)
 
@@ -164,11 +166,15 @@ class KVCache:
                             log_counts=None if log_counts is None else log_counts[i, :, :, :cut])
 
         new = (b, hkv, max_new_tokens)
-        return cls(layer_keys=(jnp.zeros((b, hkv, d, max_new_tokens), keys.dtype),) * n,
-                   layer_values=(jnp.zeros(new + (d,), values.dtype),) * n,
-                   layer_positions=(jnp.full(new, -1, jnp.int32),) * n, cursor=jnp.asarray(top, jnp.int32),
-                   next_position=next_position.astype(jnp.int32),
-                   layer_log_counts=None if log_counts is None else (jnp.zeros(new, jnp.float32),) * n,
+
+        def per_layer(make):  # one buffer per layer (decode donates and updates each in place)
+            return tuple(make() for _ in range(n))
+
+        return cls(layer_keys=per_layer(lambda: jnp.zeros((b, hkv, d, max_new_tokens), keys.dtype)),
+                   layer_values=per_layer(lambda: jnp.zeros(new + (d,), values.dtype)),
+                   layer_positions=per_layer(lambda: jnp.full(new, -1, jnp.int32)),
+                   cursor=jnp.asarray(top, jnp.int32), next_position=next_position.astype(jnp.int32),
+                   layer_log_counts=None if log_counts is None else per_layer(lambda: jnp.zeros(new, jnp.float32)),
                    layer_pools=tuple(pools(i) for i in range(n)), layer_shifts=(top,) * n)
 
     def pool(self, index: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None] | None:
