@@ -20,9 +20,11 @@ from lookm_jax.models.llama import attend
 
 
 def patchify(cfg: CLIPVisionConfig, pixel_values: jax.Array) -> jax.Array:
-    """[N, C, H, W] -> [N, P, C*p*p] non-overlapping patches, row-major over the patch grid."""
+    """[N, C, H, W] -> [N, P, C*p*p] non-overlapping patches, row-major over the patch grid; pixels
+    past the last whole patch are dropped, as the stride-p convolution does (SigLIP's 384 / 14)."""
     n, c, height, width = pixel_values.shape
     p = cfg.patch_size
+    pixel_values = pixel_values[:, :, :height // p * p, :width // p * p]
     x = pixel_values.reshape(n, c, height // p, p, width // p, p)
     return x.transpose(0, 2, 4, 1, 3, 5).reshape(n, (height // p) * (width // p), c * p * p)
 

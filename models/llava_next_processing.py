@@ -58,12 +58,14 @@ class LlavaNextImageProcessorConfig:
     def from_hf_dict(cls, d: dict) -> LlavaNextImageProcessorConfig:
         """From a LLaVA-NeXT preprocessor_config.json; refuses what it cannot do."""
         d = dict(d)
+        onevision = str(d.get("image_processor_type")).startswith("LlavaOnevision")  # a square `size`
         pop_processor_keys(d, _PROCESSOR_TYPES, _NEUTRAL)
         size, crop = d.pop("size", {"shortest_edge": 336}), d.pop("crop_size", None)
-        square = isinstance(size, dict) and set(size) == {"height", "width"} and size["height"] == size["width"]
+        square = (onevision and isinstance(size, dict) and set(size) == {"height", "width"}
+                  and size["height"] == size["width"])
         if not (isinstance(size, dict) and set(size) == {"shortest_edge"} or square):
-            raise ValueError(f"size={size!r} is not supported (only {{'shortest_edge': n}} or a square "
-                             "{'height': n, 'width': n})")
+            raise ValueError(f"size={size!r} is not supported (only {{'shortest_edge': n}}, or for LLaVA-OneVision "
+                             "a square {'height': n, 'width': n})")
         side = size["height"] if square else size["shortest_edge"]
         if crop is not None and crop != {"height": side, "width": side}:
             raise ValueError(f"crop_size={crop!r} is not supported (only the square of size's shortest_edge, {side})")
