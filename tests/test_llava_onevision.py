@@ -358,8 +358,9 @@ def test_prefill_and_decode_export_for_gpu_and_tpu(tiny, batch):
 
 # ---- config handling, conversion ---------------------------------------------------------------------
 
-# llava-hf/llava-onevision-qwen2-7b-ov-hf's config.json (its fields as published; the 36 pinpoints
-# are HF's default list, which the file spells out).
+# llava-hf/llava-onevision-qwen2-7b-ov-hf's config.json, written out without the hub (no network here):
+# its fields as published to the best of our reading, the 36 pinpoints HF's default list; the sizes
+# are checked by HF's own parameter count in tests/test_bench_sizes.py (8.03 B, the model card's).
 HUB_7B = {
     "architectures": ["LlavaOnevisionForConditionalGeneration"], "ignore_index": -100,
     "image_grid_pinpoints": [[384 * i, 384 * j] for i in range(1, 7) for j in range(1, 7)],
