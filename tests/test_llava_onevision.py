@@ -24,7 +24,7 @@ from PIL import Image
 import lookm_jax
 from lookm_jax.errors import InputError
 from lookm_jax.models.config import ConfigError
-from lookm_jax.models.llava_next import AnyresPixels, concat_pixels
+from lookm_jax.models.llava_next import AnyresPixels, concat_pixels, pack_features
 from lookm_jax.models.llava_next_processing import LlavaNextImageProcessorConfig, preprocess_anyres
 from lookm_jax.models.llava_onevision import LlavaOnevisionConfig
 from tests.conftest import with_field, word_tokenizer
@@ -170,6 +170,31 @@ def test_placeholder_counts_equal_hf_processor_over_many_sizes(tiny):
     downsampled = [(h, w) for h, w in sizes if cfg.image_row(h, w)[7:] != cfg.image_row(h, w)[4:7:2]]
     assert (100, 127) in downsampled and len(downsampled) < len(sizes) - 10
     assert cfg.image_tokens(20, 50, patched=False) == SIDE**2 + 1
+
+
+def test_packing_equals_hf_pack_image_features_over_many_sizes(tiny):
+    """Random tile features packed by us and by HF's pack_image_features (unpad, anyres_max bilinear
+    downsampling, newlines) for 39 sizes, 7 of them downsampled, 2 so flat that no feature row is
+    left: no tower involved."""
+    from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionModel
+
+    hf, model = tiny
+    cfg = model.config
+    sizes = ROW0 + ROW1 + [(h, w) for h in (7, 33, 64, 90, 128, 300) for w in (9, 40, 64, 100, 127, 500)]
+    layout = cfg.layout(sizes)
+    assert (layout[:, 7] < layout[:, 4]).sum() == 7 and (layout[:, 4] == 0).sum() == 2
+    tiles = int((1 + layout[:, 1] * layout[:, 2]).sum())
+    features = np.random.default_rng(6).standard_normal((tiles, SIDE**2, 96)).astype(np.float32)
+    newline = np.random.default_rng(7).standard_normal(96).astype(np.float32)
+    pixels = AnyresPixels(np.zeros((tiles, 3, TILE, TILE), np.float32), np.asarray(sizes, np.int32), layout)
+    ours = jax.jit(pack_features, static_argnums=0)(cfg, features, newline, pixels)[0]
+    per_image = np.split(features, np.cumsum(1 + layout[:, 1] * layout[:, 2])[:-1])
+    with torch.no_grad():
+        ref, lens = LlavaOnevisionModel.pack_image_features(
+            hf.model, [torch.as_tensor(f) for f in per_image], torch.as_tensor(sizes), torch.as_tensor(newline))
+    ref = torch.cat(ref).numpy()
+    assert lens.tolist() == [cfg.row_tokens(r) for r in layout]
+    np.testing.assert_allclose(ours[:len(ref)], ref, atol=1e-6 * np.abs(ref).max(), rtol=0)
 
 
 def test_tiles_and_prompt_equal_hf_processor(tiny):
