@@ -97,6 +97,24 @@ CONFIGS = {
                           "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
                           "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
         "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064},
+    # llava-hf/llava-onevision-qwen2-7b-ov-hf: Qwen2-7B-Instruct + SigLIP-so400m/14-384 (no pooling head),
+    # anyres_max_9 over HF's 36 default pinpoints (384 x 384 .. 2304 x 2304).
+    "LLaVA-OneVision-7B": {
+        "architectures": ["LlavaOnevisionForConditionalGeneration"], "ignore_index": -100,
+        "image_grid_pinpoints": [[384 * i, 384 * j] for i in range(1, 7) for j in range(1, 7)],
+        "image_token_index": 151646, "model_type": "llava_onevision", "projector_hidden_act": "gelu",
+        "text_config": {"_name_or_path": "Qwen/Qwen2-7B-Instruct", "architectures": ["Qwen2ForCausalLM"],
+                        "bos_token_id": 151643, "eos_token_id": 151645, "hidden_size": 3584,
+                        "intermediate_size": 18944, "max_position_embeddings": 32768, "max_window_layers": 28,
+                        "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28,
+                        "num_key_value_heads": 4, "rope_theta": 1000000.0, "sliding_window": 131072,
+                        "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 152128},
+        "tie_word_embeddings": False, "torch_dtype": "float16", "transformers_version": "4.45.0.dev0",
+        "use_image_newline_parameter": True, "video_token_index": 151647, "vision_aspect_ratio": "anyres_max_9",
+        "vision_config": {"hidden_size": 1152, "image_size": 384, "intermediate_size": 4304,
+                          "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 26,
+                          "patch_size": 14, "vision_use_head": False},
+        "vision_feature_layer": -1, "vision_feature_select_strategy": "full", "vocab_size": 152128},
     "Qwen2.5-VL-7B": {
         "model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
         "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
@@ -133,7 +151,8 @@ PICTURE = (672, 672)  # (height, width) of the one picture of dynamic-resolution
 def one_image(cfg, dtype) -> tuple[object, int]:
     """The pixel_values of one image (ShapeDtypeStructs) and its placeholder tokens: a fixed-size
     image, or a PICTURE-sized one: for Qwen2-VL and Qwen2.5-VL through its own `smart_resize`, for
-    LLaVA-NeXT tiled (its base tile and grid; its placeholders include the newlines)."""
+    LLaVA-NeXT and LLaVA-OneVision tiled (its base tile and grid; its placeholders include the
+    newlines)."""
     if isinstance(cfg, LlavaNextConfig):
         layout = cfg.layout([PICTURE])
         tiles = 1 + int(layout[0, 1] * layout[0, 2])
@@ -175,7 +194,7 @@ def nbytes(*structs) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt", type=int, default=4096,
-                        help="prompt tokens (a bucket length), more than the largest image (LLaVA-NeXT's 2928)")
+                        help="prompt tokens (a bucket length), more than the largest image (LLaVA-OneVision's 3699)")
     parser.add_argument("--new-tokens", type=at_least(1), default=64)
     parser.add_argument("--budgets", type=kept_fraction, nargs="+", default=[0.2, 0.05])
     args = parser.parse_args()

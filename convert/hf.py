@@ -17,6 +17,8 @@ from lookm_jax.models.config import ConfigError, LlamaConfig, LlavaConfig
 from lookm_jax.models.internvit import InternViTLlavaConfig
 from lookm_jax.models.internvl import InternVLConfig
 from lookm_jax.models.llava_next import LlavaNextConfig
+from lookm_jax.models.llava_onevision import LlavaOnevisionConfig
+from lookm_jax.models.siglip import SiglipVisionConfig
 from lookm_jax.models.mobilevlm import MobileVLMConfig
 from lookm_jax.models.qwen2_5_vl import Qwen2_5_VLConfig
 from lookm_jax.models.qwen2_vl import Qwen2VLConfig
@@ -35,6 +37,7 @@ CONFIG_PARSERS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "qwen2_vl": Qwen2VLConfig.from_hf,
     "qwen2_5_vl": Qwen2_5_VLConfig.from_hf,
     "llava_next": LlavaNextConfig.from_hf,
+    "llava_onevision": LlavaOnevisionConfig.from_hf,
 }
 
 
@@ -86,12 +89,17 @@ def read_safetensors(folder: str) -> tables.Source:
 
 
 def llava_vision_params(config: LlavaConfig, tensors: dict[str, np.ndarray], dtype) -> dict:
-    """Pop the CLIP tower and projector of a LLaVA checkpoint -> {"vision": ..., "projector": ...}."""
-    for name in tables.CLIP_UNUSED:
+    """Pop the CLIP (or, for LLaVA-OneVision, SigLIP) tower and projector of a LLaVA checkpoint ->
+    {"vision": ..., "projector": ...}."""
+    siglip = isinstance(config.vision, SiglipVisionConfig)
+    for name in tables.SIGLIP_UNUSED if siglip else tables.CLIP_UNUSED:
         tables.drop(tensors, "vision." + name)
+    if siglip and not isinstance(tensors, tables.ShapesOnly):
+        for name in [k for k in tensors if k.startswith("vision." + tables.SIGLIP_HEAD)]:
+            tables.drop(tensors, name)
+    table, shapes = (tables.SIGLIP_TABLE, tables.siglip_shapes) if siglip else (tables.CLIP_TABLE, tables.clip_shapes)
     return {
-        "vision": apply_table(tensors, tables.CLIP_TABLE, "vision.", config.vision.num_layers,
-                              tables.clip_shapes(config.vision), dtype),
+        "vision": apply_table(tensors, table, "vision.", config.vision.num_layers, shapes(config.vision), dtype),
         "projector": apply_table(tensors, tables.PROJECTOR_TABLE, "projector.", 0, tables.projector_shapes(config),
                                  dtype, skip=() if config.projector_bias else ("b1", "b2")),
     }
@@ -114,6 +122,7 @@ VISION_PARAMS: dict[type, Callable[[Any, dict[str, np.ndarray], Any], dict]] = {
     Qwen2VLConfig: qwen2_vl_vision_params,
     Qwen2_5_VLConfig: qwen2_5_vl_vision_params,
     LlavaNextConfig: llava_next_vision_params,
+    LlavaOnevisionConfig: llava_next_vision_params,
 }
 
 

@@ -99,6 +99,16 @@ CLIP_TABLE: list[tuple[str, str, Transform]] = [
 # Present in checkpoints, deliberately unused: CLIP's pooled-output norm and a position-id buffer.
 CLIP_UNUSED = ("post_layernorm.weight", "post_layernorm.bias", "embeddings.position_ids")
 
+# SigLIP (LLaVA-OneVision's tower): CLIP's layers, a biased patch conv, no class token or pre-layernorm.
+SIGLIP_TABLE: list[tuple[str, str, Transform]] = [
+    ("patch_bias", "embeddings.patch_embedding.bias", None),
+    *[row for row in CLIP_TABLE if row[0] not in ("class_embed", "pre_norm_w", "pre_norm_b")],
+]
+# Deliberately unused: the post-layernorm and the attention-pooling head (`head.*`, saved when
+# vision_use_head is true) only feed SigLIP's pooled output, which LLaVA-OneVision never reads.
+SIGLIP_UNUSED = ("post_layernorm.weight", "post_layernorm.bias", "embeddings.position_ids")
+SIGLIP_HEAD = "head."
+
 PROJECTOR_TABLE: list[tuple[str, str, Transform]] = [
     ("w1", "linear_1.weight", _t), ("b1", "linear_1.bias", None),
     ("w2", "linear_2.weight", _t), ("b2", "linear_2.bias", None),
@@ -151,6 +161,12 @@ def clip_shapes(cfg: CLIPVisionConfig) -> dict[str, tuple[int, ...]]:
               "layers.fc2_b": (n, h)}
     shapes.update({f"layers.{k}": (n, h, h) for k in ("wq", "wk", "wv", "wo")})
     shapes.update({f"layers.{k}": (n, h) for k in ("bq", "bk", "bv", "bo", "ln1_w", "ln1_b", "ln2_w", "ln2_b")})
+    return shapes
+
+
+def siglip_shapes(cfg: CLIPVisionConfig) -> dict[str, tuple[int, ...]]:
+    shapes = {k: v for k, v in clip_shapes(cfg).items() if k not in ("class_embed", "pre_norm_w", "pre_norm_b")}
+    shapes.update({"pos_embed": (cfg.num_patches, cfg.hidden_size), "patch_bias": (cfg.hidden_size,)})
     return shapes
 
 

@@ -71,7 +71,7 @@ def cmd_generate(args) -> int:
     model = lookm_jax.load(args.model, args.dtype) if args.model else lookm_jax.load_default(args.dtype)
     _add_buckets(model, args.buckets)
     if not args.model:
-        print(f"note: the demo model is the real SmolLM2-135M-Instruct decoder; {model.manifest['vision']}")
+        print(f"note: the demo model's decoder is {model.manifest['decoder']}; {model.manifest['vision']}")
     if args.question_after_compression:
         return _generate_after_compression(args, model, prompt, images)
     pixel_values, tiles = model.preprocess_images(images) if images else (None, None)

@@ -241,7 +241,9 @@ class Model:
         configured) or, for tiling architectures (InternVL), dynamic tiles; pass the tile counts to
         `encode_chat(..., image_tiles=...)`. Qwen2-VL and Qwen2.5-VL return (`qwen2_vl.Pixels`, each image's grid);
         pass the grids as `image_tiles`. LLaVA-NeXT returns (`llava_next.AnyresPixels`, each image's
-        placeholder count); pass the counts as `image_tiles`. A file that is not a readable image raises InputError.
+        placeholder count); pass the counts as `image_tiles`. LLaVA-OneVision the same, for one prompt's
+        images (tiled only when there is one; join prompts with `llava_next.concat_pixels`). A file that
+        is not a readable image raises InputError.
         """
         if isinstance(images, (str, bytes, os.PathLike)) or not isinstance(images, Sequence) or not images:
             raise InputError(f"images must be a non-empty list of image files or PIL images, got {images!r:.80}")

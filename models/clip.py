@@ -12,21 +12,27 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from typing import Callable
+
 from lookm_jax.models.config import CLIPVisionConfig
 from lookm_jax.models.layers import layer_norm, linear, quick_gelu
 from lookm_jax.models.llama import attend
 
 
 def patchify(cfg: CLIPVisionConfig, pixel_values: jax.Array) -> jax.Array:
-    """[N, C, H, W] -> [N, P, C*p*p] non-overlapping patches, row-major over the patch grid."""
+    """[N, C, H, W] -> [N, P, C*p*p] non-overlapping patches, row-major over the patch grid; pixels
+    past the last whole patch are dropped, as the stride-p convolution does (SigLIP's 384 / 14)."""
     n, c, height, width = pixel_values.shape
     p = cfg.patch_size
+    pixel_values = pixel_values[:, :, :height // p * p, :width // p * p]
     x = pixel_values.reshape(n, c, height // p, p, width // p, p)
     return x.transpose(0, 2, 4, 1, 3, 5).reshape(n, (height // p) * (width // p), c * p * p)
 
 
-def _encoder_layer(cfg: CLIPVisionConfig, lp: dict, h: jax.Array) -> jax.Array:
-    """h [N, T, Hv] -> [N, T, Hv]: pre-LN self-attention and quick_gelu MLP, each residual."""
+def _encoder_layer(cfg: CLIPVisionConfig, lp: dict, h: jax.Array,
+                   act: Callable[[jax.Array], jax.Array] = quick_gelu) -> jax.Array:
+    """h [N, T, Hv] -> [N, T, Hv]: pre-LN self-attention and an `act` MLP (CLIP's quick_gelu,
+    SigLIP's tanh GELU), each residual."""
     n, t, _ = h.shape
     x = layer_norm(h, lp["ln1_w"], lp["ln1_b"], cfg.layer_norm_eps)
 
@@ -37,7 +43,7 @@ def _encoder_layer(cfg: CLIPVisionConfig, lp: dict, h: jax.Array) -> jax.Array:
                   jnp.ones((1, 1, 1, 1, t), bool))
     h = h + linear(attn.transpose(0, 2, 1, 3).reshape(n, t, -1), lp["wo"], lp["bo"])
     x = layer_norm(h, lp["ln2_w"], lp["ln2_b"], cfg.layer_norm_eps)
-    return h + linear(quick_gelu(linear(x, lp["fc1_w"], lp["fc1_b"])), lp["fc2_w"], lp["fc2_b"])
+    return h + linear(act(linear(x, lp["fc1_w"], lp["fc1_b"])), lp["fc2_w"], lp["fc2_b"])
 
 
 def hidden_states(cfg: CLIPVisionConfig, params: dict, pixel_values: jax.Array, depth: int) -> jax.Array:

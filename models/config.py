@@ -251,7 +251,8 @@ class LlavaConfig:
         return tuple(layer) if isinstance(layer, tuple) else (layer,)
 
     @classmethod
-    def from_hf(cls, d: dict[str, Any]) -> "LlavaConfig":
+    def from_hf(cls, d: dict[str, Any], vision_parser=CLIPVisionConfig.from_hf) -> "LlavaConfig":
+        """`vision_parser`: the tower's config reader (LLaVA-OneVision passes SigLIP's)."""
         where = "llava config"
         handled = {"text_config", "vision_config", "image_token_index", "image_token_id",
                    "vision_feature_layer", "vision_feature_select_strategy", "projector_hidden_act",
@@ -268,7 +269,7 @@ class LlavaConfig:
         text = dict(d["text_config"])
         if "tie_word_embeddings" in d:
             text.setdefault("tie_word_embeddings", d["tie_word_embeddings"])
-        cfg = cls(text=LlamaConfig.from_hf(text), vision=CLIPVisionConfig.from_hf(d["vision_config"]),
+        cfg = cls(text=LlamaConfig.from_hf(text), vision=vision_parser(d["vision_config"]),
                   image_token_id=int(d.get("image_token_id", d.get("image_token_index", 32000))),
                   vision_feature_layer=layer, vision_feature_select_strategy=strategy,
                   projector_bias=bool(d.get("multimodal_projector_bias", True)))

@@ -16,16 +16,19 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from lookm_jax.models import clip, internvit, internvl, llama, llava_next, mobilevlm, qwen2_5_vl, qwen2_vl
+from lookm_jax.models import (clip, internvit, internvl, llama, llava_next, llava_onevision, mobilevlm, qwen2_5_vl,
+                              qwen2_vl, siglip)
 from lookm_jax.models.config import LlamaConfig, LlavaConfig
 from lookm_jax.models.layers import gelu_exact, linear
 
 
 def llava_image_features(cfg: LlavaConfig, params: dict, pixel_values: jax.Array) -> jax.Array:
-    """pixel_values [n_images, C, H, W] -> projected features [n_images, T_img, H_text]."""
+    """pixel_values [n_images, C, H, W] -> projected features [n_images, T_img, H_text] (a CLIP
+    tower, or SigLIP's for LLaVA-OneVision)."""
     n_hidden = cfg.vision.num_layers + 1
     layers = [i % n_hidden for i in cfg.feature_layers]  # negative indices count from the end
-    states = clip.hidden_states(cfg.vision, params["vision"], pixel_values, depth=max(layers))
+    tower = siglip.hidden_states if isinstance(cfg.vision, siglip.SiglipVisionConfig) else clip.hidden_states
+    states = tower(cfg.vision, params["vision"], pixel_values, depth=max(layers))
     feats = [states[i] for i in layers]
     if cfg.vision_feature_select_strategy == "default":
         feats = [f[:, 1:] for f in feats]  # drop CLS
@@ -36,8 +39,8 @@ def llava_image_features(cfg: LlavaConfig, params: dict, pixel_values: jax.Array
 
 def llava_next_image_features(cfg: llava_next.LlavaNextConfig, params: dict,
                               pixels: llava_next.AnyresPixels) -> jax.Array:
-    """LLaVA-NeXT: every tile as LLaVA-1.5's image [U, s*s, H], packed with the newline
-    (`llava_next.pack_features`) -> [1, U*s*s + (U - n)*s, H]."""
+    """LLaVA-NeXT and LLaVA-OneVision: every tile as LLaVA-1.5's image [U, s*s, H], packed with the
+    newline (`llava_next.pack_features`) -> [1, cfg.buffer_rows(U, n), H]."""
     features = llava_image_features(cfg, params, pixels.tiles)
     return llava_next.pack_features(cfg, features, params["projector"]["newline"], pixels)
 
@@ -49,6 +52,7 @@ def llava_next_image_features(cfg: llava_next.LlavaNextConfig, params: dict,
 IMAGE_FEATURES: dict[type, Callable[[Any, dict, jax.Array], jax.Array]] = {
     LlavaConfig: llava_image_features,
     llava_next.LlavaNextConfig: llava_next_image_features,
+    llava_onevision.LlavaOnevisionConfig: llava_next_image_features,
     internvit.InternViTLlavaConfig: internvit.image_features,
     mobilevlm.MobileVLMConfig: mobilevlm.image_features,
     internvl.InternVLConfig: internvl.internvl_image_features,

@@ -14,7 +14,8 @@ it up. The placeholder convention decides the encoding:
   <img> + tiles x `image_seq_length` placeholders + </img>, as InternVLProcessor does.
 - `AnyresTiles` (LLaVA-NeXT): a base tile and a grid of tiles per image; `preprocess` returns
   `llava_next.AnyresPixels` and each image's placeholder count, and each image token expands to
-  its image's count, as LlavaNextProcessor does.
+  its image's count, as LlavaNextProcessor does. `OnevisionTiles` (LLaVA-OneVision): the same for
+  one prompt's images, tiled only when it has one (HF's batch_num_images rule).
 - `Grids` (Qwen2-VL, Qwen2.5-VL): dynamic resolution; `preprocess` returns `qwen2_vl.Pixels` (patches and
   image grids) and the grids, and each "<image>" becomes <|vision_start|> + grid tokens x
   <|image_pad|> + <|vision_end|>, as Qwen2VLProcessor does.
@@ -36,6 +37,7 @@ from lookm_jax.models.config import LlamaConfig, LlavaConfig
 from lookm_jax.models.internvit import InternViTLlavaConfig
 from lookm_jax.models.internvl import InternVLConfig
 from lookm_jax.models.llava_next import AnyresPixels, LlavaNextConfig
+from lookm_jax.models.llava_onevision import LlavaOnevisionConfig
 from lookm_jax.models.mobilevlm import MobileVLMConfig
 from lookm_jax.models.qwen2_5_vl import Qwen2_5_VLConfig
 from lookm_jax.models.qwen2_vl import IMAGE_PAD, Pixels, Qwen2VLConfig
@@ -131,18 +133,26 @@ class Grids(Processor):
 class AnyresTiles(Processor):
     tiling = True
 
+    def default_settings(self) -> dict:
+        """No preprocessor_config.json saved: the tower's own tile size and the config's pinpoints."""
+        side = self.config.vision.image_size
+        return {"image_processor_type": "LlavaNextImageProcessor", "size": {"shortest_edge": side},
+                "crop_size": {"height": side, "width": side},
+                "image_grid_pinpoints": [list(p) for p in self.config.image_grid_pinpoints]}
+
+    def patched(self, pictures) -> bool:
+        """Whether the images are tiled (LLaVA-NeXT: always)."""
+        return True
+
     def preprocess(self, pictures):
         """-> (llava_next.AnyresPixels, each image's placeholder count for `encode`)."""
         from lookm_jax.models.llava_next_processing import LlavaNextImageProcessorConfig, preprocess_anyres
 
-        side = self.config.vision.image_size
-        settings = self.settings or {  # none saved: the tower's own tile size and the config's pinpoints
-            "image_processor_type": "LlavaNextImageProcessor", "size": {"shortest_edge": side},
-            "crop_size": {"height": side, "width": side},
-            "image_grid_pinpoints": [list(p) for p in self.config.image_grid_pinpoints]}
-        tiles, sizes = preprocess_anyres(pictures, LlavaNextImageProcessorConfig.from_hf_dict(settings))
-        pixels = AnyresPixels(tiles, sizes.astype(np.int32), self.config.layout(sizes))
-        return pixels, [self.config.image_tokens(int(h), int(w)) for h, w in sizes]
+        patched = self.patched(pictures)
+        settings = LlavaNextImageProcessorConfig.from_hf_dict(self.settings or self.default_settings())
+        tiles, sizes = preprocess_anyres(pictures, settings, patched)
+        layout = self.config.layout(sizes, np.full(len(sizes), patched))
+        return AnyresPixels(tiles, sizes.astype(np.int32), layout), [self.config.row_tokens(row) for row in layout]
 
     def encode(self, tokenizer, text, image_tiles):
         """Each image token the tokenizer emits, in order, expands to that image's count (as HF's
@@ -154,6 +164,20 @@ class AnyresTiles(Processor):
                              f"{len(counts)} image(s) were given (`preprocess_images` returns them)")
         counts.reverse()
         return [t for i in ids for t in ([i] * counts.pop() if i == image_id else [i])]
+
+
+class OnevisionTiles(AnyresTiles):
+    """LLaVA-OneVision: `preprocess` takes one prompt's images; as HF's processor, a single image is
+    tiled, each of several is one padded square tile (s*s + 1 placeholders)."""
+
+    def default_settings(self) -> dict:
+        side = self.config.vision.image_size
+        return {"image_processor_type": "LlavaOnevisionImageProcessor", "size": {"height": side, "width": side},
+                "image_grid_pinpoints": [list(p) for p in self.config.image_grid_pinpoints],
+                "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
+
+    def patched(self, pictures) -> bool:
+        return len(pictures) == 1
 
 
 def _llava(config: LlavaConfig, settings: dict | None) -> Processor:
@@ -172,6 +196,7 @@ PROCESSORS: dict[type, Callable[[Any, dict | None], Processor]] = {
     Qwen2VLConfig: Grids,
     Qwen2_5_VLConfig: Grids,
     LlavaNextConfig: AnyresTiles,
+    LlavaOnevisionConfig: OnevisionTiles,
 }
 
 

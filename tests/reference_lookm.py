@@ -251,10 +251,12 @@ def run_method(name, params, q, k, v, is_image, valid, layer=None):
         w = params.get("window", 32)
         window = m if w is None else [w] * b_
         scores = window_scores(q, k, valid, window, m, params.get("kernel_size", 7), params.get("pooling", "max"))
-    elif name == "lookm":
+    elif name in ("lookm", "lookm_quota"):
         scores = attention_scores(q, k, valid)
         text_prior = params.get("text_prior", True)
-        mode = params.get("merge", "pivotal")
+        mode = params.get("merge", "pivotal" if name == "lookm" else None)
+        if name == "lookm_quota":
+            params = {"image_quota": "proportional", **params}
         n_sink = params.get("n_sink", 0)
     else:
         raise ValueError(name)

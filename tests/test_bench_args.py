@@ -22,7 +22,7 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("compile_cpu.py", ["--memory-lengths", "-5"], "argument --memory-lengths: must be an integer >= 64, got -5"),
     ("gpu.py", ["--tiny", "--long-lengths", "100"], "--long-lengths must each be >= 150"),
     ("gpu.py", ["--tiny", "--json", BENCH], "argument --json: must be a file in an existing folder"),
-    ("sizes.py", ["--prompt", "100"], "--prompt must be more than 2928 tokens (LLaVA-NeXT-7B's one image), got 100"),
+    ("sizes.py", ["--prompt", "100"], "--prompt must be more than 3699 tokens (LLaVA-OneVision-7B's one image), got 100"),
     ("sizes.py", ["--budgets", "0.2", "1.5"], "argument --budgets: budget must be a fraction in (0, 1], got 1.5"),
     ("merge_analysis.py", ["--pictures", "1"], "--pictures must be in [2, 16], got 1"),
     ("merge_analysis.py", ["--budgets", "nan"], "argument --budgets: budget must be a fraction in (0, 1], got nan"),

@@ -37,5 +37,11 @@ def test_sizes_table_matches_the_published_models():
     # 7,063,431,168, CLIP's unused post_layernorm included: 2048 more than ours); LLaVA-1.5-7B's KV; a
     # 672 x 672 picture: 576 base features + a 2 x 2 grid's 48 x 48 map, each row with its newline.
     assert rows["LLaVA-NeXT-7B"][1] == "7.063 B" and rows["LLaVA-NeXT-7B"][2] == rows["LLaVA-v1.5-7B"][2]
-    assert [r[5] for r in rows.values()] == ["576", "576", "144", "576", "576", f"{576 + 48 * 49}", "576"]
-    assert len(rows) == 7
+    # llava-hf/llava-onevision-qwen2-7b-ov-hf: 8.03 B on its model card (HF's model on the meta device
+    # counts 8,030,807,584, SigLIP's unused post_layernorm included: 2304 more than ours); Qwen2-7B's
+    # 28 layers x 4 KV heads x 128; a 672 x 672 picture: 729 base features + a 2 x 2 grid's 54 x 54 map
+    # (under anyres_max_9's 9 x 729: not downsampled), each row with its newline.
+    assert rows["LLaVA-OneVision-7B"][1] == "8.031 B" and rows["LLaVA-OneVision-7B"][2] == rows["Qwen2-VL-7B"][2]
+    assert [r[5] for r in rows.values()] == ["576", "576", "144", "576", "576", f"{576 + 48 * 49}",
+                                             f"{729 + 54 * 55}", "576"]
+    assert len(rows) == 8

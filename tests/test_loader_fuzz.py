@@ -53,6 +53,12 @@ def _tiny_llava_next(folder):
     tiny_llava_next(folder)
 
 
+def _tiny_llava_onevision(folder):
+    from tests.test_llava_onevision import tiny_onevision
+
+    tiny_onevision(folder)
+
+
 def _tiny_internvl(folder):
     from tests.test_internvl import tiny_internvl
 
@@ -86,7 +92,7 @@ def _tiny_gguf(folder):
 
 
 BUILDERS = {"llava": _tiny_llava, "qwen2_vl": _tiny_qwen2_vl, "qwen2_5_vl": _tiny_qwen2_5_vl,
-            "llava_next": _tiny_llava_next, "internvl": _tiny_internvl, "mobilevlm": _tiny_mobilevlm}
+            "llava_next": _tiny_llava_next, "llava_onevision": _tiny_llava_onevision, "internvl": _tiny_internvl, "mobilevlm": _tiny_mobilevlm}
 CHECKPOINT = {"mobilevlm": "ckpt"}  # the checkpoint's subfolder, where it is not the builder's folder
 
 

@@ -132,7 +132,7 @@ def test_one_compilation_per_bucket():
 
 
 def test_get_method():
-    assert METHODS == ("full", "streamingllm", "h2o", "snapkv", "pyramidkv", "adakv", "roco", "lookm")
+    assert METHODS == ("full", "streamingllm", "h2o", "snapkv", "pyramidkv", "adakv", "roco", "lookm", "lookm_quota")
     assert get_method("lookm") == LookM(alpha_recent=0.1, alpha_important=0.1, merge="pivotal", text_prior=True)
     assert get_method("h2o", budget=0.2) == get_method("h2o", alpha_recent=0.1, alpha_important=0.1)
     assert get_method("full").capacity(100) == 100

@@ -204,11 +204,11 @@ def test_exact_match_needs_the_four_digits_as_a_whole_number(generated, correct)
 
 def test_sweep_configs_cover_every_method_and_lookm_variant():
     configs = harness.sweep_configs(lookm_jax.METHODS, harness.DEFAULT_BUDGETS)
-    assert len(configs) == 1 + 4 * (6 + 8) and configs[0].label == "full"
+    assert len(configs) == 1 + 4 * (7 + 8) and configs[0].label == "full"
     labels = {c.label for c in configs}
     assert {"H2O", "SnapKV", "PyramidKV", "AdaKV", "RoCo", "StreamingLLM", "LOOK-M (text-prior, pivotal)",
-            "LOOK-M (no text-prior, no merge)"} <= labels and len(labels) == 1 + 6 + 8
-    lookm = configs[-1].build()
+            "LOOK-M (no text-prior, no merge)", "LOOK-M + image quota"} <= labels and len(labels) == 1 + 7 + 8
+    lookm = configs[-2].build()  # the last of LOOK-M's variants; lookm_quota comes after them
     assert (lookm.text_prior, lookm.merge, lookm.alpha_recent) == (False, "weighted", 0.25)
     with pytest.raises(ValueError, match="unknown methods"):
         harness.sweep_configs(["h2o", "bogus"], [0.1])

@@ -34,7 +34,7 @@ ROW_SCHEMA = {
     "correct": Field(bool), "fidelity": Field(float, 0, 1), "seed": Field(int, 0, MAX_SEED), "sample": Field(int, 0),
     "prompt_tokens": Field(int, 1)}
 _LABELS = {"full": "full", "streamingllm": "StreamingLLM", "h2o": "H2O", "snapkv": "SnapKV", "pyramidkv": "PyramidKV",
-           "adakv": "AdaKV", "roco": "RoCo"}
+           "adakv": "AdaKV", "roco": "RoCo", "lookm_quota": "LOOK-M + image quota"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ from lookm_jax.compression.methods.base import Method, ScorerMethod
 from lookm_jax.compression.methods.full import Full
 from lookm_jax.compression.methods.h2o import H2O
 from lookm_jax.compression.methods.lookm import LookM
+from lookm_jax.compression.methods.lookm_quota import LookMQuota
 from lookm_jax.compression.methods.roco import RoCo
 from lookm_jax.compression.methods.snapkv import AdaKV, PyramidKV, SnapKV
 from lookm_jax.compression.methods.streamingllm import StreamingLLM
@@ -23,6 +24,7 @@ _REGISTRY: dict[str, type[Method]] = {
     "adakv": AdaKV,
     "roco": RoCo,
     "lookm": LookM,
+    "lookm_quota": LookMQuota,
 }
 METHODS: tuple[str, ...] = tuple(_REGISTRY)
 
@@ -62,5 +64,5 @@ def get_method(name: str, *, budget: float | None = None, **kwargs) -> Method:
     return cls(**kwargs)
 
 
-__all__ = ["METHODS", "AdaKV", "Full", "H2O", "LookM", "Method", "PyramidKV", "RoCo", "ScorerMethod", "SnapKV",
-           "StreamingLLM", "get_method", "method_class", "parameters"]
+__all__ = ["METHODS", "AdaKV", "Full", "H2O", "LookM", "LookMQuota", "Method", "PyramidKV", "RoCo", "ScorerMethod",
+           "SnapKV", "StreamingLLM", "get_method", "method_class", "parameters"]

@@ -1,0 +1,493 @@
+"""LLaVA-OneVision against transformers' LlavaOnevisionForConditionalGeneration (tiny, random).
+
+Tiles are 30 px, SigLIP's patches 7 px: 4 x 4 features per tile, the last 2 pixels of each side
+unread (as 384 / 14 leaves 6); vision_aspect_ratio "anyres_max_9". Pinpoints up to 120 x 120 (a 4 x 4
+grid). The batch: row 0 a two-image prompt (20 x 50 and 45 x 30:
+each one padded square tile, 16 + 1 tokens, as HF's processor and model treat every image of a
+multi-image prompt), row 1 a single 100 x 127 picture (4 x 4 grid, a 16 x 16 feature map, two rows
+cut above and two below: 12 x 16 = 192 features > 9 tiles' 144 by sqrt(192 / 144) = 1.15 > 1.1, so
+bilinearly downsampled to 10 x 13, then 10 newlines: 16 + 10 x 14 tokens). The decoder is a Qwen2
+(q/k/v biases) with 6 query and 2 KV heads (GQA, 3 per group); the tower has 3 heads.
+"""
+
+from __future__ import annotations
+
+import json
+
+import chex
+import jax
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import lookm_jax
+from lookm_jax.errors import InputError
+from lookm_jax.models.config import ConfigError
+from lookm_jax.models.llava_next import AnyresPixels, concat_pixels, pack_features
+from lookm_jax.models.llava_next_processing import LlavaNextImageProcessorConfig, preprocess_anyres
+from lookm_jax.models.llava_onevision import LlavaOnevisionConfig
+from tests.conftest import with_field, word_tokenizer
+
+FP32_TOL = 1e-5  # max abs logit difference, relative to the logits' scale (as test_llava_next)
+WORDS = ["what", "is", "this", "a", "cat", "dog", "[UNK]"]
+IMAGE_TOKEN, VIDEO_TOKEN = 7, 8  # "<image>", "<video>": the added tokens
+VOCAB = 48
+NEW_TOKENS = 6
+TILE, PATCH, SIDE = 30, 7, 4
+PINPOINTS = [[30, 60], [60, 30], [60, 60], [30, 90], [90, 30], [120, 120]]
+ROW0, ROW1 = [(20, 50), (45, 30)], [(100, 127)]  # (height, width)
+TOKENS = [SIDE**2 + 1, SIDE**2 + 1, SIDE**2 + 10 * 14]
+
+
+def tiny_tokenizer():
+    tok = word_tokenizer(WORDS, ["<image>", "<video>"])
+    assert tok.token_to_id("<image>") == IMAGE_TOKEN
+    return tok
+
+
+def hf_image_processor():
+    from transformers import LlavaOnevisionImageProcessorPil
+
+    return LlavaOnevisionImageProcessorPil(size={"height": TILE, "width": TILE}, image_grid_pinpoints=PINPOINTS,
+                                           image_mean=[0.5] * 3, image_std=[0.5] * 3)
+
+
+def tiny_onevision(folder, seed=0):
+    """Build, save (with a tokenizer and a preprocessor config) and return a tiny random
+    LlavaOnevisionForConditionalGeneration."""
+    from transformers import LlavaOnevisionConfig as HFConfig, LlavaOnevisionForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = dict(model_type="qwen2", vocab_size=VOCAB, hidden_size=96, intermediate_size=112, num_hidden_layers=2,
+                num_attention_heads=6, num_key_value_heads=2, rms_norm_eps=1e-6, bos_token_id=None,
+                eos_token_id=None, pad_token_id=None)
+    vision = dict(model_type="siglip_vision_model", hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=3, image_size=TILE, patch_size=PATCH, vision_use_head=False)
+    config = HFConfig(text_config=text, vision_config=vision, image_token_index=IMAGE_TOKEN,
+                      video_token_index=VIDEO_TOKEN, image_grid_pinpoints=PINPOINTS, vision_feature_layer=-1,
+                      vision_feature_select_strategy="full", vision_aspect_ratio="anyres_max_9")
+    model = LlavaOnevisionForConditionalGeneration(config).eval()
+    with torch.no_grad():  # default init leaves unit norms, zero biases and a 0.02-wide head: widen them
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.uniform_(0.5, 1.5)
+            elif "embed_tokens" in name or "lm_head" in name or "image_newline" in name:
+                p.normal_(0, 1.0)
+            elif name.endswith("bias") or "position_embedding" in name:
+                p.normal_(0, 0.1)
+            elif "vision_tower" in name and name.endswith("weight"):
+                p.normal_(0, 0.1)
+        model.lm_head.weight[IMAGE_TOKEN] = 0  # never generates the placeholders
+        model.lm_head.weight[VIDEO_TOKEN] = 0
+    model.save_pretrained(str(folder))
+    tiny_tokenizer().save(str(folder / "tokenizer.json"))
+    hf_image_processor().save_pretrained(str(folder))
+    return model
+
+
+def _images(sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+
+
+def hf_processor(image_processor=None, num_image_tokens=SIDE**2):
+    from transformers import LlavaOnevisionProcessor, PreTrainedTokenizerFast
+
+    class ImagesOnly(LlavaOnevisionProcessor):  # the video processor needs torchvision, which is not installed
+        def check_argument_for_proper_class(self, name, arg):
+            return None if name == "video_processor" else super().check_argument_for_proper_class(name, arg)
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer())
+    tokenizer.pad_token = "[UNK]"  # the batch's rows are right-padded
+    return ImagesOnly(image_processor=image_processor or hf_image_processor(), tokenizer=tokenizer,
+                      num_image_tokens=num_image_tokens, vision_feature_select_strategy="full")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_llava_onevision")
+    return tiny_onevision(folder), lookm_jax.load(str(folder))
+
+
+@pytest.fixture(scope="module")
+def batch(tiny):
+    """Two right-padded rows: [text, image 0, text, image 1, text] (a two-image prompt) and [text,
+    image 2, text...] (one picture, downsampled): ragged. -> (ids [2, L], mask [2, L], AnyresPixels)."""
+    model = tiny[1]
+    first, tokens0 = model.preprocess_images(_images(ROW0))
+    second, tokens1 = model.preprocess_images(_images(ROW1, seed=1))
+    assert tokens0 + tokens1 == TOKENS
+    pixels = concat_pixels([first, second])
+
+    def image(n):
+        return [IMAGE_TOKEN] * TOKENS[n]
+
+    rows = [[0, 1] + image(0) + [2, 3] + image(1) + [4, 5, 2], [3] + image(2) + [0, 1, 2, 3, 4, 5, 0, 1]]
+    length = max(map(len, rows))
+    ids = np.asarray([r + [0] * (length - len(r)) for r in rows], np.int32)
+    mask = np.asarray([[1] * len(r) + [0] * (length - len(r)) for r in rows], np.int32)
+    return ids, mask, pixels
+
+
+def _hf_pixels(pixels, images):
+    """Our tiles of `images` (indices) as HF's pixel_values [n, most tiles, C, S, S] (zero-padded) and
+    image_sizes [n, 2]."""
+    tiles, sizes, layout = (np.asarray(a) for a in (pixels.tiles, pixels.sizes, pixels.layout))
+    counts = 1 + layout[:, 1] * layout[:, 2]
+    per_image = [tiles[layout[i, 0]:layout[i, 0] + counts[i]] for i in images]
+    out = np.zeros((len(images), max(map(len, per_image)), *tiles.shape[1:]), np.float32)
+    for i, t in enumerate(per_image):
+        out[i, :len(t)] = t
+    return torch.as_tensor(out), torch.as_tensor(sizes[list(images)].astype(np.int64))
+
+
+def _hf_inputs(ids, mask, pixels, images, batch_num_images):
+    pixel_values, image_sizes = _hf_pixels(pixels, images)
+    return dict(input_ids=torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask),
+                pixel_values=pixel_values, image_sizes=image_sizes,
+                batch_num_images=torch.as_tensor(batch_num_images))
+
+
+def _row_inputs(batch, row):
+    """Row `row` alone, unpadded, with its own images: HF's inputs."""
+    ids, mask, pixels = batch
+    length = int(mask[row].sum())
+    return _hf_inputs(ids[row:row + 1, :length], mask[row:row + 1, :length], pixels, [[0, 1], [2]][row],
+                      [[2], [1]][row])
+
+
+# ---- anyres_max layout, preprocessing and prompt expansion against HF ------------------------------
+
+def test_placeholder_counts_equal_hf_processor_over_many_sizes(tiny):
+    """Our count (unpad window, anyres_max downsampling, newlines) against HF's processor, over sizes
+    that downsample and sizes that do not; a multi-image prompt's image is s*s + 1."""
+    cfg = tiny[1].config
+    processor = hf_processor()
+    sizes = ROW0 + ROW1 + [(h, w) for h in (7, 33, 64, 90, 128, 300) for w in (9, 40, 64, 100, 127, 500)]
+    want = processor._get_num_multimodal_tokens(image_sizes=sizes)["num_image_tokens"]
+    assert [cfg.image_tokens(h, w) for h, w in sizes] == want
+    downsampled = [(h, w) for h, w in sizes if cfg.image_row(h, w)[7:] != cfg.image_row(h, w)[4:7:2]]
+    assert (100, 127) in downsampled and len(downsampled) < len(sizes) - 10
+    assert cfg.image_tokens(20, 50, patched=False) == SIDE**2 + 1
+
+
+def test_packing_equals_hf_pack_image_features_over_many_sizes(tiny):
+    """Random tile features packed by us and by HF's pack_image_features (unpad, anyres_max bilinear
+    downsampling, newlines) for 39 sizes, 7 of them downsampled, 2 so flat that no feature row is
+    left: no tower involved."""
+    from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionModel
+
+    hf, model = tiny
+    cfg = model.config
+    sizes = ROW0 + ROW1 + [(h, w) for h in (7, 33, 64, 90, 128, 300) for w in (9, 40, 64, 100, 127, 500)]
+    layout = cfg.layout(sizes)
+    assert (layout[:, 7] < layout[:, 4]).sum() == 7 and (layout[:, 4] == 0).sum() == 2
+    tiles = int((1 + layout[:, 1] * layout[:, 2]).sum())
+    features = np.random.default_rng(6).standard_normal((tiles, SIDE**2, 96)).astype(np.float32)
+    newline = np.random.default_rng(7).standard_normal(96).astype(np.float32)
+    pixels = AnyresPixels(np.zeros((tiles, 3, TILE, TILE), np.float32), np.asarray(sizes, np.int32), layout)
+    ours = jax.jit(pack_features, static_argnums=0)(cfg, features, newline, pixels)[0]
+    per_image = np.split(features, np.cumsum(1 + layout[:, 1] * layout[:, 2])[:-1])
+    with torch.no_grad():
+        ref, lens = LlavaOnevisionModel.pack_image_features(
+            hf.model, [torch.as_tensor(f) for f in per_image], torch.as_tensor(sizes), torch.as_tensor(newline))
+    ref = torch.cat(ref).numpy()
+    assert lens.tolist() == [cfg.row_tokens(r) for r in layout]
+    np.testing.assert_allclose(ours[:len(ref)], ref, atol=1e-6 * np.abs(ref).max(), rtol=0)
+
+
+def test_tiles_and_prompt_equal_hf_processor(tiny):
+    """A batch of a two-image prompt and a one-image prompt through HF's processor (batch_num_images
+    [2, 1]) and through `preprocess_images` per prompt + `encode_chat`: bit-equal pixels, equal ids."""
+    model = tiny[1]
+    images = [_images(ROW0, seed=2), _images(ROW1, seed=3)]
+    texts = ["<image>\n<image>\nwhat is this", "<image>\nwhat is this"]
+    want = hf_processor()(images=images, text=texts, return_tensors="np", padding=True)
+    assert want["batch_num_images"].tolist() == [2, 1]
+    parts = [model.preprocess_images(row) for row in images]
+    for n, ((_, tokens), text) in enumerate(zip(parts, texts)):
+        ids = model.encode_chat("what is this", num_images=len(images[n]), image_tiles=tokens)
+        row = want["input_ids"][n][want["attention_mask"][n].astype(bool)]
+        np.testing.assert_array_equal(ids[0], row)
+    pixels = concat_pixels([p for p, _ in parts])
+    chex.assert_shape(pixels.tiles, (1 + 1 + 17, 3, TILE, TILE))
+    hf_pixels, hf_sizes = _hf_pixels(pixels, [0, 1, 2])
+    np.testing.assert_array_equal(hf_sizes.numpy(), want["image_sizes"])
+    np.testing.assert_array_equal(hf_pixels.numpy(), want["pixel_values"])  # bit-equal, padding included
+
+
+def test_preprocessor_config_reads_hf_and_refuses_what_it_cannot_do():
+    config = LlavaNextImageProcessorConfig.from_hf_dict(json.loads(hf_image_processor().to_json_string()))
+    assert config.tile_size == TILE and config.image_mean == (0.5,) * 3
+    base = {"image_processor_type": "LlavaOnevisionImageProcessor"}
+    for extra, named in (({"size": {"height": 32, "width": 48}}, "size"), ({"mystery": 1}, "mystery"),
+                         ({"do_pad": "yes"}, "do_pad")):
+        with pytest.raises(ValueError, match=named):
+            LlavaNextImageProcessorConfig.from_hf_dict({**base, **extra})
+    tiles, sizes = preprocess_anyres(_images([(5, 300), (40, 7)]), config, patched=False)
+    assert sizes.tolist() == [[5, 300], [40, 7]] and tiles.shape == (2, 3, TILE, TILE)
+
+
+def test_pixels_that_do_not_fit_the_prompt_are_refused(tiny, batch):
+    model = tiny[1]
+    ids, mask, pixels = batch
+    patched = model.config.layout(np.asarray(pixels.sizes))  # every image tiled: other tiles and counts
+    with pytest.raises(InputError, match="tiles"):
+        model.logits(ids, AnyresPixels(pixels.tiles, pixels.sizes, patched), attention_mask=mask)
+    with pytest.raises(InputError, match="layout"):
+        model.logits(ids, AnyresPixels(pixels.tiles, pixels.sizes, np.zeros_like(pixels.layout)), attention_mask=mask)
+    with pytest.raises(InputError, match="placeholder tokens, in order"):
+        model.logits(ids[::-1], pixels, attention_mask=mask[::-1])
+
+
+# ---- SigLIP features, packing with downsampling, logits ------------------------------------------
+
+def test_packed_features_match_hf_single_and_multi_image(tiny, batch):
+    """The batch's features (batch_num_images [2, 1]) and, through HF's single-image path
+    (batch_num_images None: every image tiled), five pictures whose grids are cut and downsampled,
+    cut, downsampled, or neither."""
+    from lookm_jax.models.llava import llava_next_image_features
+
+    hf, model = tiny
+    features = jax.jit(llava_next_image_features, static_argnums=0)
+    _, _, pixels = batch
+    ours = features(model.config, model.params, pixels)
+    pixel_values, image_sizes = _hf_pixels(pixels, [0, 1, 2])
+    with torch.no_grad():
+        ref = torch.cat(hf.model.get_image_features(pixel_values, image_sizes,
+                                                    batch_num_images=torch.as_tensor([2, 1])).pooler_output).numpy()
+    chex.assert_shape(ours, (1, model.config.buffer_rows(19, 3), 96))
+    assert ref.shape == (sum(TOKENS), 96)
+    np.testing.assert_allclose(ours[0, :len(ref)], ref, atol=5e-6 * np.abs(ref).max(), rtol=0)
+
+    sizes = [(100, 127), (14, 50), (127, 100), (60, 62), (20, 70)]
+    settings = LlavaNextImageProcessorConfig.from_hf_dict(json.loads(hf_image_processor().to_json_string()))
+    tiles, sizes = preprocess_anyres(_images(sizes, seed=4), settings)
+    tiled = AnyresPixels(tiles, sizes.astype(np.int32), model.config.layout(sizes))
+    ours = features(model.config, model.params, tiled)
+    with torch.no_grad():
+        ref = torch.cat(hf.model.get_image_features(*_hf_pixels(tiled, range(len(sizes)))).pooler_output).numpy()
+    layout = np.asarray(tiled.layout)
+    cut = (layout[:, 4] < SIDE * layout[:, 1]) | (layout[:, 6] < SIDE * layout[:, 2])
+    small = layout[:, 7] < layout[:, 4]  # downsampled
+    assert small.tolist() == [True, False, True, True, False] and cut.tolist() == [True, True, True, False, False]
+    assert ref.shape[0] == sum(model.config.row_tokens(r) for r in layout)
+    np.testing.assert_allclose(ours[0, :len(ref)], ref, atol=5e-6 * np.abs(ref).max(), rtol=0)
+
+
+def test_logits_match_hf(tiny, batch):
+    hf, model = tiny
+    ids, mask, pixels = batch
+    with torch.no_grad():
+        ref = hf(**_hf_inputs(ids, mask, pixels, [0, 1, 2], [2, 1])).logits.numpy()
+    ours = model.logits(ids, pixels, attention_mask=mask)
+    assert ours.shape == ref.shape and ours.dtype == np.float32
+    valid = mask.astype(bool)
+    scale = np.abs(ref[valid]).max()
+    np.testing.assert_allclose(ours[valid], ref[valid], atol=FP32_TOL * scale, rtol=0)
+    other = AnyresPixels(np.random.default_rng(5).standard_normal(pixels.tiles.shape).astype(np.float32),
+                         pixels.sizes, pixels.layout)
+    assert np.abs(model.logits(ids, other, attention_mask=mask)[valid] - ours[valid]).max() > 1000 * FP32_TOL * scale
+
+
+# ---- generation: full cache against HF's generate, compressed cache against a masked reference -----
+
+def test_greedy_generation_matches_hf(tiny, batch):
+    """Our batch of two ragged rows against HF's generate on each row alone."""
+    hf, model = tiny
+    ids, mask, pixels = batch
+    ours = model.generate(ids, pixels, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    for row in range(2):
+        inputs = _row_inputs(batch, row)
+        with torch.no_grad():
+            ref = hf.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False).numpy()
+        np.testing.assert_array_equal(ours[row], ref[0, inputs["input_ids"].shape[1]:])
+
+
+def test_compressed_decode_equals_hf_attending_to_the_kept_slots(tiny, batch):
+    """StreamingLLM keeps the same slots in every layer and head, so HF can run the reference: one
+    forward over prompt + generated tokens, the new tokens' queries masked off the evicted prompt keys."""
+    from lookm_jax import generate as gen, inputs
+
+    hf, model = tiny
+    ids, mask, pixels = batch
+    method = lookm_jax.get_method("streamingllm", budget=0.4)
+    prompt = inputs.prepare(model, ids, pixels, mask, NEW_TOKENS, [method])
+    key = jax.random.key(0)
+    first, cache, _ = gen.prefill(model.config, model.params, prompt.ids, prompt.valid, prompt.pixel_values, key,
+                                  method=method, max_new_tokens=NEW_TOKENS, sampling=gen.Sampling())
+    kept = np.asarray(cache.positions)[..., :method.capacity(prompt.ids.shape[1])]
+    tokens, _, _ = gen.decode(model.text_config, model.params["text"], first, cache, key, max_new_tokens=NEW_TOKENS,
+                              sampling=gen.Sampling(), eos_ids=())
+    tokens = np.asarray(tokens)
+    for row in range(2):
+        row_inputs = _row_inputs(batch, row)
+        length = row_inputs["input_ids"].shape[1]
+        slots = kept[:, row]
+        assert (slots == slots[:1, :1]).all()  # one kept set for every layer and head
+        keep = np.zeros(length, bool)
+        keep[slots[0, 0][slots[0, 0] >= 0]] = True
+        image = row_inputs["input_ids"].numpy()[0] == IMAGE_TOKEN
+        assert 0 < keep.sum() < length and (image & ~keep).any()  # image tokens were evicted
+        new = torch.as_tensor(np.array(tokens[row:row + 1, :-1]), dtype=torch.long)
+        total = length + new.shape[1]
+        allowed = np.tril(np.ones((total, total), bool))
+        allowed[length:, :length] &= keep  # generated tokens see the kept prompt slots only
+        attention = torch.where(torch.as_tensor(allowed), 0.0, torch.finfo(torch.float32).min)[None, None]
+        with torch.no_grad():
+            logits = hf(input_ids=torch.cat([row_inputs["input_ids"], new], 1), pixel_values=row_inputs["pixel_values"],
+                        image_sizes=row_inputs["image_sizes"], batch_num_images=row_inputs["batch_num_images"],
+                        attention_mask=attention, position_ids=torch.arange(total)[None]).logits
+        np.testing.assert_array_equal(tokens[row], logits[0, length - 1:].argmax(-1).numpy())
+
+
+def test_every_method_runs_on_ragged_rows_with_every_image_token_marked(tiny, batch):
+    """Every method from one shared prefill; the full cache's run counts the image tokens it marked
+    (newlines included)."""
+    from lookm_jax.sweep import generate_methods
+    from method_variants import DEFAULTS, build
+
+    model = tiny[1]
+    ids, mask, pixels = batch
+    full = model.run(ids, pixels, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    np.testing.assert_array_equal(full.image_tokens, [TOKENS[0] + TOKENS[1], TOKENS[2]])
+    methods = [build(name, {}, budget=0.5) for name, _ in DEFAULTS] + [
+        lookm_jax.get_method("lookm", budget=1.0, merge=None)]
+    tokens = dict(zip([name for name, _ in DEFAULTS] + ["keep_all"],
+                      generate_methods(model, ids, pixels, mask, NEW_TOKENS, methods=methods)))
+    chex.assert_shape(list(tokens.values()), [(2, NEW_TOKENS)] * len(methods))
+    np.testing.assert_array_equal(tokens["full"], full.tokens)
+    np.testing.assert_array_equal(tokens["keep_all"], full.tokens)
+
+
+def test_prefill_and_decode_export_for_gpu_and_tpu(tiny, batch):
+    import functools
+
+    from lookm_jax import generate as gen, inputs
+
+    model = tiny[1]
+    ids, mask, pixels = batch
+    method = lookm_jax.get_method("lookm", budget=0.5)
+    prompt = inputs.prepare(model, ids, pixels, mask, NEW_TOKENS, [method])
+    args = (model.config, model.params, prompt.ids, prompt.valid, prompt.pixel_values, jax.random.key(0))
+    static = dict(method=method, max_new_tokens=NEW_TOKENS, sampling=gen.Sampling())
+    platforms = ("cuda", "tpu")
+    assert jax.export.export(gen.prefill, platforms=platforms)(*args, **static).platforms == platforms
+    first, cache, _ = jax.eval_shape(functools.partial(gen.prefill, args[0], **static), *args[1:])
+    exported = jax.export.export(gen.decode, platforms=platforms)(
+        model.text_config, model.params["text"], first, cache, args[-1], max_new_tokens=NEW_TOKENS,
+        sampling=gen.Sampling(), eos_ids=model.text_config.eos_token_ids)
+    assert exported.platforms == platforms
+
+
+# ---- config handling, conversion ---------------------------------------------------------------------
+
+# llava-hf/llava-onevision-qwen2-7b-ov-hf's config.json, written out without the hub (no network here):
+# its fields as published to the best of our reading, the 36 pinpoints HF's default list; the sizes
+# are checked by HF's own parameter count in tests/test_bench_sizes.py (8.03 B, the model card's).
+HUB_7B = {
+    "architectures": ["LlavaOnevisionForConditionalGeneration"], "ignore_index": -100,
+    "image_grid_pinpoints": [[384 * i, 384 * j] for i in range(1, 7) for j in range(1, 7)],
+    "image_token_index": 151646, "model_type": "llava_onevision", "projector_hidden_act": "gelu",
+    "text_config": {"_name_or_path": "Qwen/Qwen2-7B-Instruct", "architectures": ["Qwen2ForCausalLM"],
+                    "bos_token_id": 151643, "eos_token_id": 151645, "hidden_size": 3584,
+                    "intermediate_size": 18944, "max_position_embeddings": 32768, "max_window_layers": 28,
+                    "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28,
+                    "num_key_value_heads": 4, "rope_theta": 1000000.0, "sliding_window": 131072,
+                    "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 152128},
+    "tie_word_embeddings": False, "torch_dtype": "float16", "transformers_version": "4.45.0.dev0",
+    "use_image_newline_parameter": True, "video_token_index": 151647, "vision_aspect_ratio": "anyres_max_9",
+    "vision_config": {"hidden_size": 1152, "image_size": 384, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 26,
+                      "patch_size": 14, "vision_use_head": False},
+    "vision_feature_layer": -1, "vision_feature_select_strategy": "full", "vocab_size": 152128}
+
+
+def test_hub_config_parses_as_hf_reads_it():
+    from transformers import LlavaOnevisionConfig as HFConfig
+
+    cfg = LlavaOnevisionConfig.from_hf(HUB_7B)
+    hf = HFConfig(**{k: v for k, v in HUB_7B.items() if k not in ("model_type", "transformers_version")})
+    assert cfg.image_grid_pinpoints == tuple(map(tuple, hf.image_grid_pinpoints))
+    assert (cfg.text.hidden_size, cfg.text.num_layers, cfg.text.num_kv_heads, cfg.text.vocab_size, cfg.text.qkv_bias,
+            cfg.vision.image_size, cfg.side, cfg.max_num_patches) == (
+        hf.text_config.hidden_size, hf.text_config.num_hidden_layers, hf.text_config.num_key_value_heads,
+        hf.text_config.vocab_size, True, hf.vision_config.image_size, 27, 9)
+    assert cfg.image_token_id == hf.image_token_id and cfg.vision_feature_layer == hf.vision_feature_layer
+    # 672 x 672: a 2 x 2 grid of 384 px tiles (768 x 768), 54 x 54 features, under 9 tiles' (no downsampling)
+    assert cfg.image_row(672, 672)[1:] == (2, 2, 0, 54, 0, 54, 54, 54)
+    from transformers import LlavaOnevisionImageProcessorPil
+
+    processor = hf_processor(LlavaOnevisionImageProcessorPil(), num_image_tokens=729)
+    sizes = [(672, 672), (1080, 1920), (3000, 400), (384, 384)]  # HF's default pinpoints: some downsample
+    assert [cfg.image_tokens(h, w) for h, w in sizes] == processor._get_num_multimodal_tokens(
+        image_sizes=sizes)["num_image_tokens"]
+    assert cfg.image_tokens(672, 672) == 729 + 54 * 55
+
+
+REFUSED = [
+    ("mystery_field", 1, "mystery_field"),
+    ("vision_feature_select_strategy", "default", "vision_feature_select_strategy"),
+    ("vision_aspect_ratio", "anyres", "vision_aspect_ratio"),
+    ("vision_aspect_ratio", "anyres_max_0", "vision_aspect_ratio"),
+    ("image_grid_pinpoints", [[384, 500]], "image_grid_pinpoints"),
+    ("use_image_newline_parameter", False, "use_image_newline_parameter"),
+    ("projector_hidden_act", "relu", "projector_hidden_act"),
+    ("video_token_index", "x", "video_token_index"),
+    ("text_config.use_sliding_window", True, "use_sliding_window"),
+    ("text_config.model_type", "mistral", "model_type"),
+    ("vision_config.model_type", "clip_vision_model", "model_type"),
+    ("vision_config.hidden_act", "gelu", "hidden_act"),
+    ("vision_config.mystery", 2, "mystery"),
+]
+
+
+@pytest.mark.parametrize("path,value,named", REFUSED, ids=[r[0] + "=" + str(r[1]) for r in REFUSED])
+def test_unsupported_config_refused_naming_the_field(path, value, named):
+    with pytest.raises(ConfigError, match=named):
+        LlavaOnevisionConfig.from_hf(with_field(HUB_7B, path, value))
+
+
+def test_hub_key_layout_and_converted_round_trip_give_the_same_params(tiny, tmp_path):
+    """What save_pretrained writes and transformers' module names (model.vision_tower.vision_model.*,
+    model.image_newline, model.language_model.*) convert alike, a pooling head's tensors (vision_use_head)
+    are dropped; `lookm convert` + `load` keeps config, preprocessor settings and params; a missing
+    patch bias is refused by name."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from lookm_jax.cli import main
+    from lookm_jax.convert.tables import CheckpointError
+
+    model = tiny[1]
+    assert isinstance(model.config, LlavaOnevisionConfig) and model.params["projector"]["newline"].shape == (96,)
+    assert model.params["vision"]["pos_embed"].shape == (SIDE**2, 48) and "class_embed" not in model.params["vision"]
+    source = model.manifest["source"]
+    tensors = load_file(f"{source}/model.safetensors")
+
+    def module_name(k):
+        for old, new in (("vision_tower.", "model.vision_tower.vision_model."), ("language_model.model.",
+                         "model.language_model."), ("language_model.lm_head.", "lm_head."), ("", "model.")):
+            if k.startswith(old):
+                return new + k[len(old):]
+
+    renamed = {module_name(k): v for k, v in tensors.items()}
+    assert "model.image_newline" in renamed and "model.multi_modal_projector.linear_1.weight" in renamed
+    renamed["model.vision_tower.vision_model.head.probe"] = np.zeros((1, 1, 48), np.float32)
+    bias = [k for k in renamed if k.endswith("patch_embedding.bias")]
+    assert len(bias) == 1
+    broken = {k: v for k, v in renamed.items() if k != bias[0]}
+    for name, kept in (("renamed", renamed), ("broken", broken)):
+        (tmp_path / name).mkdir()
+        for file in ("config.json", "tokenizer.json", "preprocessor_config.json"):
+            shutil.copy(f"{source}/{file}", tmp_path / name)
+        save_file(kept, str(tmp_path / name / "model.safetensors"), metadata={"format": "pt"})
+    chex.assert_trees_all_equal(lookm_jax.load(str(tmp_path / "renamed")).params, model.params)
+    with pytest.raises(CheckpointError, match="patch_embedding.bias"):
+        lookm_jax.load(str(tmp_path / "broken"))
+    assert main(["convert", str(tmp_path / "renamed"), str(tmp_path / "converted")]) == 0
+    again = lookm_jax.load(str(tmp_path / "converted"))
+    assert again.config == model.config and again.manifest["image_processor"] == model.manifest["image_processor"]
+    chex.assert_trees_all_equal(again.params, model.params)
