@@ -482,3 +482,27 @@ def test_grid_processor_end_to_end_in_prompt_and_after_compression(grid_model_an
     records = mb.read_predictions(str(tmp_path / mb.PREDICTIONS))
     assert len(records) == 4 and len({r["image_tokens"] for r in records}) > 1  # pictures of different sizes
     assert [r["image_tokens"] for r in records[:2]] == [r["image_tokens"] for r in records[2:]]
+
+
+def test_every_cut_of_a_onevision_prompt_carries_its_own_pictures_tiles(tmp_path_factory):
+    """LLaVA-OneVision tiles the picture of a one-picture prompt (anyres) and not those of a several-picture
+    one, so a cut prompt's tiles are those of its kept pictures preprocessed together, never a slice of the
+    whole prompt's; every cut fits its limit, and one runs."""
+    import lookm_jax
+    from tests.test_llava_onevision import tiny_onevision
+
+    folder = tmp_path_factory.mktemp("tiny_onevision_milebench")
+    tiny_onevision(folder)
+    model = lookm_jax.load(str(folder))
+    sample = mb.load_dataset(FIXTURE, "TextNeedleInAHaystack")[0]
+    assert mb.image_tiles(model, sample.images[-1:]) != mb.image_tiles(model, sample.images)[-1:]  # tiled alone
+    full = mb.build_prompt(model, sample, 10_000)
+    kept = set()
+    for limit in range(31, full.input_ids.shape[1], 3):
+        prompt = mb.build_prompt(model, sample, limit)
+        kept.add(len(prompt.images))
+        assert prompt.input_ids.shape[1] <= limit
+        assert prompt.image_tiles == tuple(mb.image_tiles(model, prompt.images))
+    assert kept >= {0, 2}
+    pixels = model.preprocess_images([mb.open_image(p).convert("RGB") for p in prompt.images])[0]
+    assert model.run(prompt.input_ids, pixels, max_new_tokens=2).tokens.shape == (1, 2)

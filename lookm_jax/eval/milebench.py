@@ -226,8 +226,10 @@ def _suffix(sample: Sample, budget: int, image_tokens: list[int], tokenizer) -> 
 def image_tiles(model, images) -> list | None:
     """Each image's tiles or grid as the model's processor sees it (tiling and grid processors:
     InternVL's tile counts, Qwen2-VL's grids), None for a fixed number of tokens per image."""
-    if not model.processor.tiling or not images:
+    if not model.processor.tiling:
         return None
+    if not images:
+        return []
     return list(model.preprocess_images([open_image(p).convert("RGB") for p in images])[1])
 
 
@@ -246,8 +248,8 @@ def build_prompt(model, sample: Sample, max_tokens: int) -> Prompt:
 
     tiles = image_tiles(model, sample.images)
 
-    def encode(texts):
-        kept = None if tiles is None else tiles[len(tiles) - (len(texts) - 1):]
+    def encode(texts):  # the kept pictures' own tiles: LLaVA-OneVision tiles a lone picture, not one of several
+        kept = image_tiles(model, sample.images[len(sample.images) - (len(texts) - 1):]) if tiles else tiles
         return model.encode_chat(render(sample.instruction, texts), image_tiles=kept), kept
 
     ids, kept_tiles = encode(sample.texts)
