@@ -64,6 +64,17 @@ def prompt(tiny):
     return ids[None], pixels
 
 
+def ask_and_step(model, cache: KVCache) -> tuple[np.ndarray, np.ndarray]:
+    """A question prefilled onto `cache` and one decode step after it -> (the question's last logits, the
+    step's hidden state): what a compressed cache's layout must not change."""
+    cfg, params = model.text_config, model.params["text"]
+    question = jnp.asarray([[5, 6, 7, 8, 0, 0, 0, 0]], jnp.int32)
+    first, logits, cache = gen.prefill_question(cfg, params, cache, question, question > 0, jax.random.key(0),
+                                                room=8, sampling=gen.Sampling())
+    hidden = llama.decode_step(cfg, params, llama.embed_tokens(params, first[:, None])[:, 0], cache)[0]
+    return np.asarray(logits), np.asarray(hidden)
+
+
 def as_uniform(cache: KVCache) -> KVCache:
     """The same slots in one buffer per layer of the largest layer's size (smaller layers' extra slots empty)."""
     n = cache.num_layers
@@ -79,7 +90,7 @@ def test_per_layer_cache_saves_memory_and_decodes_as_one_buffer(tiny, prompt, op
     """Each layer's buffers hold its own slots (+ the new tokens), the bytes equal SnapKV's at the same
     budget, and a question and a decode step on it equal those on the same slots in uniform buffers."""
     ids, pixels = prompt
-    cfg, params = tiny.text_config, tiny.params["text"]
+    cfg = tiny.text_config
     method = get_method("pyramidkv", budget=0.4, **options)
     capacities = method.layer_capacities(64, cfg.num_layers)
     assert len(set(capacities)) > 1 and sum(capacities) == cfg.num_layers * get_method("snapkv", budget=0.4).capacity(64)
@@ -93,17 +104,7 @@ def test_per_layer_cache_saves_memory_and_decodes_as_one_buffer(tiny, prompt, op
     expected = [min(length, 11 + ref.layer_ranked(11, 12, i, cfg.num_layers, split)) for i in range(cfg.num_layers)]
     assert [int((np.asarray(p) >= 0).sum()) for p in cache.layer_positions] == [cfg.num_kv_heads * e for e in expected]
 
-    question = jnp.asarray([[5, 6, 7, 8, 0, 0, 0, 0]], jnp.int32)
-    valid = question > 0
-    key, room = jax.random.key(0), 8
-
-    def ask(cache):
-        first, logits, cache = gen.prefill_question(cfg, params, cache, question, valid, key, room=room,
-                                                    sampling=gen.Sampling())
-        hidden = llama.decode_step(cfg, params, llama.embed_tokens(params, first[:, None])[:, 0], cache)[0]
-        return np.asarray(logits), np.asarray(hidden)
-
-    for got, want in zip(ask(cache), ask(as_uniform(cache))):
+    for got, want in zip(ask_and_step(tiny, cache), ask_and_step(tiny, as_uniform(cache))):
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
-    uniform = get_method("snapkv", budget=0.4)
-    assert np.abs(ask(cache)[0] - ask(tiny.prefill_context(ids, pixels, method=uniform).cache)[0]).max() > 1e-4
+    uniform = tiny.prefill_context(ids, pixels, method=get_method("snapkv", budget=0.4)).cache
+    assert np.abs(ask_and_step(tiny, cache)[0] - ask_and_step(tiny, uniform)[0]).max() > 1e-4

@@ -14,11 +14,11 @@ import pytest
 
 import reference_lookm as ref
 from conftest import image_ids
-from lookm_jax import InputError, generate as gen, get_method
+from lookm_jax import InputError, get_method
 from lookm_jax.cache import KVCache
 from lookm_jax.compression import heads as head_pool
 from lookm_jax.compression.methods.base import LayerIndex
-from lookm_jax.models import llama
+from test_budgets import ask_and_step
 
 L = 24
 BUDGET = {"alpha_recent": 0.2, "alpha_important": 0.2}
@@ -149,7 +149,7 @@ def test_pool_saves_memory_and_decodes_as_per_head_buffers(tiny, prompt, name, o
     layer keeps Hkv x min(M + N_l, L) slots in all, and a question and a decode step on the pool equal
     those on the same slots laid out per head."""
     ids, pixels = prompt
-    cfg, params = tiny.text_config, tiny.params["text"]
+    cfg = tiny.text_config
     method = get_method(name, budget=0.4, **options)
     uniform = get_method(name, budget=0.4, **{k: v for k, v in options.items() if k != "head_split"},
                          head_split="uniform")
@@ -168,19 +168,10 @@ def test_pool_saves_memory_and_decodes_as_per_head_buffers(tiny, prompt, name, o
     assert [int((np.asarray(p.heads) >= 0).sum()) for p in cache.layer_pools] == [cfg.num_kv_heads * e
                                                                                    for e in expected]
 
-    question = jnp.asarray([[5, 6, 7, 8, 0, 0, 0, 0]], jnp.int32)
-    valid = question > 0
-    key, room = jax.random.key(0), 8
-
-    def ask(cache):
-        first, logits, cache = gen.prefill_question(cfg, params, cache, question, valid, key, room=room,
-                                                    sampling=gen.Sampling())
-        hidden = llama.decode_step(cfg, params, llama.embed_tokens(params, first[:, None])[:, 0], cache)[0]
-        return np.asarray(logits), np.asarray(hidden)
-
-    for got, want in zip(ask(cache), ask(per_head_buffers(cache))):
+    for got, want in zip(ask_and_step(tiny, cache), ask_and_step(tiny, per_head_buffers(cache))):
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     if name == "adakv":  # (accumulated attention ranks by position alike in every head of the random tiny model)
         heads = [np.bincount(np.asarray(p.heads)[p.heads >= 0], minlength=cfg.num_kv_heads) for p in cache.layer_pools]
         assert any(len(set(h)) > 1 for h in heads), heads  # the heads did keep different numbers
-        assert np.abs(ask(cache)[0] - ask(tiny.prefill_context(ids, pixels, method=uniform).cache)[0]).max() > 1e-4
+        assert np.abs(ask_and_step(tiny, cache)[0] - ask_and_step(tiny, tiny.prefill_context(
+            ids, pixels, method=uniform).cache)[0]).max() > 1e-4
