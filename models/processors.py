@@ -63,6 +63,11 @@ class Processor(abc.ABC):
             settings = {"size": {"shortest_edge": height}, "crop_size": {"height": height, "width": width}}
         return preprocess_images(pictures, CLIPImageProcessorConfig.from_hf_dict(settings)), None
 
+    def tiles_unchanged(self, total: int, kept: int) -> bool:
+        """Whether the last `kept` images of a `total`-image prompt keep their tiles when the others are
+        dropped (each image is preprocessed on its own unless a processor says otherwise)."""
+        return True
+
     @abc.abstractmethod
     def encode(self, tokenizer, text: str, image_tiles: Sequence[int] | None) -> list[int]:
         """A rendered chat turn with "<image>" markers -> ids, one placeholder per image feature."""
@@ -178,6 +183,9 @@ class OnevisionTiles(AnyresTiles):
 
     def patched(self, pictures) -> bool:
         return len(pictures) == 1
+
+    def tiles_unchanged(self, total, kept):
+        return (total == 1) == (kept == 1)
 
 
 def _llava(config: LlavaConfig, settings: dict | None) -> Processor:

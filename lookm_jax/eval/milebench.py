@@ -204,25 +204,6 @@ def render(instruction: str, texts: list[str] | tuple[str, ...]) -> str:
     return prompt.replace(IMAGE_MARKER * 2, (IMAGE_MARKER + "\n") * 2)
 
 
-def _suffix(sample: Sample, budget: int, image_tokens: list[int], tokenizer) -> list[str]:
-    """The context texts (question last) of the longest suffix costing <= budget tokens, question aside;
-    image_tokens: each image's placeholder tokens, in order.
-
-    Returns k + 1 texts for the last k images; the first may be the tail of a longer text.
-    """
-    kept = [sample.texts[-1]]
-    for text, tokens in zip(reversed(sample.texts[:-1]), reversed(image_tokens)):  # text j is followed by image j
-        if tokens > budget:
-            return kept
-        budget -= tokens
-        ids = tokenizer.encode(text, add_special_tokens=False).ids
-        if len(ids) > budget:
-            return [tokenizer.decode(ids[len(ids) - budget:]) if budget else ""] + kept
-        budget -= len(ids)
-        kept.insert(0, text)
-    return kept
-
-
 def image_tiles(model, images) -> list | None:
     """Each image's tiles or grid as the model's processor sees it (tiling and grid processors:
     InternVL's tile counts, Qwen2-VL's grids), None for a fixed number of tokens per image."""
@@ -233,45 +214,51 @@ def image_tiles(model, images) -> list | None:
     return list(model.preprocess_images([open_image(p).convert("RGB") for p in images])[1])
 
 
-def image_token_counts(model, tiles: list | None, n_images: int) -> list[int]:
-    """Tokens each image's marker expands to (placeholders and any start / end tokens)."""
-    if tiles is None:
-        return [model.config.image_seq_length] * n_images
-    encode = functools.partial(model.processor.encode, model.tokenizer)
-    return [len(encode(IMAGE_MARKER, [tile])) - len(encode("", [])) for tile in tiles]
-
-
 def build_prompt(model, sample: Sample, max_tokens: int) -> Prompt:
-    """Chat-templated ids of the sample's prompt, cut from the left to at most max_tokens (whole images
-    dropped first, each costing its own tokens: a tiling or grid processor's depend on the image)."""
+    """Chat-templated ids of the sample's prompt, cut from the left to at most max_tokens: the most
+    pictures whose prompt (no text before the first of them) fits, then as much of the text before them
+    as fits. Each picture costs its own tokens (a tiling or grid processor's depend on the picture and,
+    for LLaVA-OneVision, on how many are kept), so a larger limit never keeps fewer pictures."""
     from lookm_jax.generate import PromptTooLongError
 
+    n = len(sample.images)
     tiles = image_tiles(model, sample.images)
 
-    def encode(texts):  # the kept pictures' own tiles: LLaVA-OneVision tiles a lone picture, not one of several
-        kept = image_tiles(model, sample.images[len(sample.images) - (len(texts) - 1):]) if tiles else tiles
+    def encode(texts):  # k + 1 texts around the last k pictures -> (ids, those pictures' tiles)
+        k = len(texts) - 1
+        kept = tiles
+        if tiles is not None:
+            kept = tiles[n - k:] if model.processor.tiles_unchanged(n, k) else image_tiles(model, sample.images[n - k:])
         return model.encode_chat(render(sample.instruction, texts), image_tiles=kept), kept
+
+    def prompt(texts, ids, kept_tiles, truncated):
+        return Prompt(ids, sample.images[n - (len(texts) - 1):], truncated,
+                      _question_start(model, sample.instruction, texts, ids, kept_tiles),
+                      None if kept_tiles is None else tuple(kept_tiles))
 
     ids, kept_tiles = encode(sample.texts)
     if ids.shape[1] <= max_tokens:
-        return Prompt(ids, sample.images, False, _question_start(model, sample.instruction, sample.texts, ids,
-                                                                 kept_tiles), None if kept_tiles is None else tuple(kept_tiles))
-    protected = encode(sample.texts[-1:])[0].shape[1]
-    budget = max_tokens - protected
-    if budget < 0:
-        raise PromptTooLongError(f"{sample.dataset} sample {sample.sample_id}: the instruction and question alone "
-                                 f"take {protected} tokens, over the limit of {max_tokens}")
-    counts = image_token_counts(model, tiles, len(sample.images))
-    while True:  # separately tokenized fragments may merge differently: shrink until the whole fits
-        texts = _suffix(sample, budget, counts, model.tokenizer)
+        return prompt(sample.texts, ids, kept_tiles, False)
+    for k in range(n, -1, -1):  # text j is followed by picture j; the question is the last text
+        after = list(sample.texts[n - k + 1:]) if k else [sample.texts[-1]]
+        texts = [""] + after if k else after
         ids, kept_tiles = encode(texts)
-        over = ids.shape[1] - max_tokens
-        if over <= 0:
-            n_images = len(texts) - 1
-            return Prompt(ids, sample.images[len(sample.images) - n_images:], True,
-                          _question_start(model, sample.instruction, texts, ids, kept_tiles),
-                          None if kept_tiles is None else tuple(kept_tiles))
-        budget -= over
+        if ids.shape[1] <= max_tokens:
+            break
+    else:
+        raise PromptTooLongError(f"{sample.dataset} sample {sample.sample_id}: the instruction and question alone "
+                                 f"take {ids.shape[1]} tokens, over the limit of {max_tokens}")
+    if k:  # the room left: the tail of the text before the first kept picture
+        before = model.tokenizer.encode(sample.texts[n - k], add_special_tokens=False).ids
+        room = min(len(before), max_tokens - ids.shape[1])
+        while room > 0:  # separately tokenized fragments may merge differently: shrink until the whole fits
+            longer = [model.tokenizer.decode(before[len(before) - room:])] + after
+            longer_ids, longer_tiles = encode(longer)
+            if longer_ids.shape[1] <= max_tokens:
+                texts, ids, kept_tiles = longer, longer_ids, longer_tiles
+                break
+            room -= longer_ids.shape[1] - max_tokens
+    return prompt(texts, ids, kept_tiles, True)
 
 
 def _question_start(model, instruction: str, texts, ids: np.ndarray, tiles=None) -> int:
