@@ -52,8 +52,15 @@ def _run(method, inputs):
     return _jitted(method)(*(jnp.asarray(x) for x in inputs))
 
 
-@pytest.mark.parametrize("hkv,groups", [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)])
-@pytest.mark.parametrize("name,options", ADAPTIVE, ids=_ids(ADAPTIVE))
+# (KV heads, head groups): every variant runs on 4 heads in 2 groups and on one other layout, in turn,
+# so each layout meets several variants (the layout and the scorer are independent parts of the code).
+LAYOUTS = [(1, 1), (2, 1), (2, 2), (4, 1)]
+CASES = [(name, options, hkv, groups) for i, (name, options) in enumerate(ADAPTIVE)
+         for hkv, groups in ((4, 2), LAYOUTS[i % len(LAYOUTS)])]
+
+
+@pytest.mark.parametrize("name,options,hkv,groups", CASES,
+                         ids=[f"{_ids([(name, options)])[0]}-{hkv}-{groups}" for name, options, hkv, groups in CASES])
 def test_adaptive_selection_matches_reference(name, options, hkv, groups):
     """Kept positions exactly the float64 reference's, keys/values (merged) to 1e-5, over 3 seeds of
     ragged rows; the pool is [B, G, H_g x S] with each head's slots contiguous, in head order."""
@@ -139,10 +146,10 @@ def per_head_buffers(cache: KVCache) -> KVCache:
                                         counts], -1) for pool, counts in zip(cache.layer_pools, cache.layer_log_counts)))
 
 
-@pytest.mark.parametrize("name,options", [("adakv", {}), ("adakv", {"layer_split": "pyramid"}),
+@pytest.mark.parametrize("name,options", [("adakv", {"layer_split": "pyramid"}),  # (a capacity per layer)
                                           ("lookm", {"head_split": "adaptive", "text_prior": False, "merge": "averaged",
                                                      "size_aware": True})],
-                         ids=["adakv", "adakv-pyramid", "lookm-adaptive-size-aware"])
+                         ids=["adakv-pyramid", "lookm-adaptive-size-aware"])
 def test_pool_saves_memory_and_decodes_as_per_head_buffers(tiny, prompt, name, options):
     """Each layer's pool holds exactly Hkv x P_l prompt slots (per-head buffers only the new tokens),
     the bytes equal the uniform method's at the same budget (and GenerationResult.cache_bytes), every
