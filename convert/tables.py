@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import mmap
+import os
 import re
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import ml_dtypes
@@ -184,45 +188,80 @@ def set_path(tree: dict, path: str, value) -> None:
     tree[leaf] = value
 
 
+# Large tensors are checked, copied and cast in blocks on every core: NumPy releases the GIL meanwhile.
+_THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+_POOL = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="lookm-load")
+
+
+def _on_every_core(work: Callable[[list], object], blocks: list) -> list:
+    """work(every _THREADS-th block) on each thread -> their results (inline for a single block)."""
+    if len(blocks) <= 1:
+        return [work(blocks)]
+    return list(_POOL.map(work, [blocks[i::_THREADS] for i in range(_THREADS)]))
+
+
 _EXPONENT_BITS = {np.dtype(np.float16): 0x7C00, np.dtype(ml_dtypes.bfloat16): 0x7F80}
 _FINITE_BLOCK = 1 << 18  # elements checked at once: the check's temporaries stay < 1 MiB, whatever the tensor
 
 
 def all_finite(a: np.ndarray) -> bool:
-    """No NaN or inf in `a`, checked block by block. A 16-bit float is read as its bits (all exponent
-    bits set: NaN or inf), ~10x faster than NumPy's isfinite on float16 and bfloat16, which convert
-    every element."""
+    """No NaN or inf in `a`, checked block by block on every core. A 16-bit float is read as its bits
+    (all exponent bits set: NaN or inf), ~10x faster than NumPy's isfinite on float16 and bfloat16,
+    which convert every element."""
     if a.dtype.kind not in "fc":
         return True
     flat = a.reshape(-1)
     bits = _EXPONENT_BITS.get(a.dtype)
-    for start in range(0, flat.size, _FINITE_BLOCK):
-        block = flat[start:start + _FINITE_BLOCK]
-        if (bits is None and not np.isfinite(block).all()) or (
-                bits is not None and ((block.view(np.uint16) & bits) == bits).any()):
-            return False
-    return True
+
+    def finite(starts) -> bool:
+        for start in starts:
+            block = flat[start:start + _FINITE_BLOCK]
+            if (bits is None and not np.isfinite(block).all()) or (
+                    bits is not None and ((block.view(np.uint16) & bits) == bits).any()):
+                return False
+        return True
+
+    return all(_on_every_core(finite, list(range(0, flat.size, _FINITE_BLOCK))))
 
 
 def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """np.empty whose data starts on a 64-byte boundary: XLA:CPU then adopts the buffer as a device
-    array without copying it (`jax.device_put`), so a parameter built on the host is not copied
-    again (NumPy's own large arrays start 16 bytes past a page)."""
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    raw = np.empty(nbytes + 64, np.uint8)
-    start = -raw.ctypes.data % 64
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+    """np.empty on pages of its own: page-aligned, so XLA:CPU adopts the buffer as a device array
+    without copying it (`jax.device_put`), and mapped without NumPy's huge-page advice, which where
+    the kernel's THP defrag is `madvise` stalls first touches compacting memory (here 1 GiB was
+    written in 1.4-2.6 s on NumPy's buffers, 0.4 s on plain pages). Unmapped when the array goes."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    if nbytes == 0:
+        return np.empty(shape, dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(pages, dtype, math.prod(shape)).reshape(shape)
+
+
+_BLOCK_BYTES = 4 << 20
+_TILE = 128
+
+
+def _blocks(target: np.ndarray, source: np.ndarray) -> list:
+    """Index expressions covering target: ~4 MiB row blocks (NumPy casts a whole contiguous array
+    through a temporary as large as it), or, for a 2-D source read across its rows (a transposed
+    view), 128 x 128 tiles, which keep both sides in cache (2.5x faster than row blocks)."""
+    if target.ndim == 2 and source.strides[-1] != source.itemsize and min(target.shape) > _TILE:
+        return [(slice(i, i + _TILE), slice(j, j + _TILE))
+                for i in range(0, target.shape[0], _TILE) for j in range(0, target.shape[1], _TILE)]
+    rows = max(1, _BLOCK_BYTES // max(target[:1].nbytes, 1))
+    return [slice(first, first + rows) for first in range(0, len(target), rows)]
 
 
 def copy_into(target: np.ndarray, source: np.ndarray) -> None:
-    """target[...] = source (same shape, cast to target's dtype), a block of the leading axis at a
-    time: NumPy casts a whole contiguous array through a temporary as large as it."""
+    """target[...] = source (same shape, cast to target's dtype), in blocks copied by a thread per core."""
     if target.ndim == 0:
         target[...] = source
         return
-    rows = max(1, (4 << 20) // max(target[:1].nbytes, 1))
-    for first in range(0, len(target), rows):
-        target[first:first + rows] = source[first:first + rows]
+
+    def copy(blocks):
+        for block in blocks:
+            target[block] = source[block]
+
+    _on_every_core(copy, _blocks(target, source))
 
 
 class Source(Mapping):
