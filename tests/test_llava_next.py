@@ -233,20 +233,33 @@ def test_logits_match_hf(tiny, batch):
 
 
 # ---- generation: full cache against HF's generate, compressed cache against a masked reference -----
+# (tests/test_llava_onevision.py runs these four on its own model with its own `row_inputs` and
+# `image_tokens`)
 
-def test_greedy_generation_matches_hf(tiny, batch):
+@pytest.fixture(scope="module")
+def row_inputs():
+    return _row_inputs
+
+
+@pytest.fixture(scope="module")
+def image_tokens():
+    """The image tokens of each row of `batch`, newlines included."""
+    return [TOKENS[0] + TOKENS[1], TOKENS[2]]
+
+
+def test_greedy_generation_matches_hf(tiny, batch, row_inputs):
     """Our batch of two ragged rows against HF's generate on each row alone."""
     hf, model = tiny
     ids, mask, pixels = batch
     ours = model.generate(ids, pixels, attention_mask=mask, max_new_tokens=NEW_TOKENS)
     for row in range(2):
-        inputs = _row_inputs(batch, row)
+        inputs = row_inputs(batch, row)
         with torch.no_grad():
             ref = hf.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False).numpy()
         np.testing.assert_array_equal(ours[row], ref[0, inputs["input_ids"].shape[1]:])
 
 
-def test_compressed_decode_equals_hf_attending_to_the_kept_slots(tiny, batch):
+def test_compressed_decode_equals_hf_attending_to_the_kept_slots(tiny, batch, row_inputs):
     """StreamingLLM keeps the same slots in every layer and head, so HF can run the reference: one
     forward over prompt + generated tokens, the new tokens' queries masked off the evicted prompt keys."""
     from lookm_jax import generate as gen, inputs
@@ -263,13 +276,13 @@ def test_compressed_decode_equals_hf_attending_to_the_kept_slots(tiny, batch):
                               sampling=gen.Sampling(), eos_ids=())
     tokens = np.asarray(tokens)
     for row in range(2):
-        row_inputs = _row_inputs(batch, row)
-        length = row_inputs["input_ids"].shape[1]
+        hf_inputs = row_inputs(batch, row)
+        length = hf_inputs["input_ids"].shape[1]
         slots = kept[:, row]
         assert (slots == slots[:1, :1]).all()  # one kept set for every layer and head
         keep = np.zeros(length, bool)
         keep[slots[0, 0][slots[0, 0] >= 0]] = True
-        image = row_inputs["input_ids"].numpy()[0] == IMAGE_TOKEN
+        image = hf_inputs["input_ids"].numpy()[0] == IMAGE_TOKEN
         assert 0 < keep.sum() < length and (image & ~keep).any()  # image tokens were evicted
         new = torch.as_tensor(np.array(tokens[row:row + 1, :-1]), dtype=torch.long)
         total = length + new.shape[1]
@@ -277,13 +290,13 @@ def test_compressed_decode_equals_hf_attending_to_the_kept_slots(tiny, batch):
         allowed[length:, :length] &= keep  # generated tokens see the kept prompt slots only
         attention = torch.where(torch.as_tensor(allowed), 0.0, torch.finfo(torch.float32).min)[None, None]
         with torch.no_grad():
-            logits = hf(input_ids=torch.cat([row_inputs["input_ids"], new], 1), pixel_values=row_inputs["pixel_values"],
-                        image_sizes=row_inputs["image_sizes"], attention_mask=attention,
-                        position_ids=torch.arange(total)[None]).logits
+            images = {k: v for k, v in hf_inputs.items() if k not in ("input_ids", "attention_mask")}
+            logits = hf(input_ids=torch.cat([hf_inputs["input_ids"], new], 1), attention_mask=attention,
+                        position_ids=torch.arange(total)[None], **images).logits
         np.testing.assert_array_equal(tokens[row], logits[0, length - 1:].argmax(-1).numpy())
 
 
-def test_every_method_runs_on_ragged_rows_with_every_image_token_marked(tiny, batch):
+def test_every_method_runs_on_ragged_rows_with_every_image_token_marked(tiny, batch, image_tokens):
     """Every method from one shared prefill; the full cache's run counts the image tokens it marked
     (newlines included)."""
     from lookm_jax.sweep import generate_methods
@@ -292,7 +305,7 @@ def test_every_method_runs_on_ragged_rows_with_every_image_token_marked(tiny, ba
     model = tiny[1]
     ids, mask, pixels = batch
     full = model.run(ids, pixels, attention_mask=mask, max_new_tokens=NEW_TOKENS)
-    np.testing.assert_array_equal(full.image_tokens, [TOKENS[0] + TOKENS[1], TOKENS[2]])
+    np.testing.assert_array_equal(full.image_tokens, image_tokens)
     methods = [build(name, {}, budget=0.5) for name, _ in DEFAULTS] + [
         lookm_jax.get_method("lookm", budget=1.0, merge=None)]
     tokens = dict(zip([name for name, _ in DEFAULTS] + ["keep_all"],

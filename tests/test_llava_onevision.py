@@ -27,6 +27,7 @@ from lookm_jax.models.config import ConfigError
 from lookm_jax.models.llava_next import AnyresPixels, concat_pixels, pack_features
 from lookm_jax.models.llava_next_processing import LlavaNextImageProcessorConfig, preprocess_anyres
 from lookm_jax.models.llava_onevision import LlavaOnevisionConfig
+from tests import test_llava_next as next_tests
 from tests.conftest import with_field, word_tokenizer
 
 FP32_TOL = 1e-5  # max abs logit difference, relative to the logits' scale (as test_llava_next)
@@ -292,93 +293,28 @@ def test_logits_match_hf(tiny, batch):
 
 
 # ---- generation: full cache against HF's generate, compressed cache against a masked reference -----
+# LLaVA-NeXT's tests, collected here with this module's `tiny`, `batch`, `row_inputs` (HF's inputs carry
+# batch_num_images) and `image_tokens`: greedy tokens equal to HF's generate per row; a StreamingLLM
+# cache's decode equal to HF attending to the same kept slots; every method from one shared prefill,
+# with every image token marked; prefill and decode exported for cuda and tpu.
 
-def test_greedy_generation_matches_hf(tiny, batch):
-    """Our batch of two ragged rows against HF's generate on each row alone."""
-    hf, model = tiny
-    ids, mask, pixels = batch
-    ours = model.generate(ids, pixels, attention_mask=mask, max_new_tokens=NEW_TOKENS)
-    for row in range(2):
-        inputs = _row_inputs(batch, row)
-        with torch.no_grad():
-            ref = hf.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False).numpy()
-        np.testing.assert_array_equal(ours[row], ref[0, inputs["input_ids"].shape[1]:])
+@pytest.fixture(scope="module")
+def row_inputs():
+    return _row_inputs
 
 
-def test_compressed_decode_equals_hf_attending_to_the_kept_slots(tiny, batch):
-    """StreamingLLM keeps the same slots in every layer and head, so HF can run the reference: one
-    forward over prompt + generated tokens, the new tokens' queries masked off the evicted prompt keys."""
-    from lookm_jax import generate as gen, inputs
-
-    hf, model = tiny
-    ids, mask, pixels = batch
-    method = lookm_jax.get_method("streamingllm", budget=0.4)
-    prompt = inputs.prepare(model, ids, pixels, mask, NEW_TOKENS, [method])
-    key = jax.random.key(0)
-    first, cache, _ = gen.prefill(model.config, model.params, prompt.ids, prompt.valid, prompt.pixel_values, key,
-                                  method=method, max_new_tokens=NEW_TOKENS, sampling=gen.Sampling())
-    kept = np.asarray(cache.positions)[..., :method.capacity(prompt.ids.shape[1])]
-    tokens, _, _ = gen.decode(model.text_config, model.params["text"], first, cache, key, max_new_tokens=NEW_TOKENS,
-                              sampling=gen.Sampling(), eos_ids=())
-    tokens = np.asarray(tokens)
-    for row in range(2):
-        row_inputs = _row_inputs(batch, row)
-        length = row_inputs["input_ids"].shape[1]
-        slots = kept[:, row]
-        assert (slots == slots[:1, :1]).all()  # one kept set for every layer and head
-        keep = np.zeros(length, bool)
-        keep[slots[0, 0][slots[0, 0] >= 0]] = True
-        image = row_inputs["input_ids"].numpy()[0] == IMAGE_TOKEN
-        assert 0 < keep.sum() < length and (image & ~keep).any()  # image tokens were evicted
-        new = torch.as_tensor(np.array(tokens[row:row + 1, :-1]), dtype=torch.long)
-        total = length + new.shape[1]
-        allowed = np.tril(np.ones((total, total), bool))
-        allowed[length:, :length] &= keep  # generated tokens see the kept prompt slots only
-        attention = torch.where(torch.as_tensor(allowed), 0.0, torch.finfo(torch.float32).min)[None, None]
-        with torch.no_grad():
-            logits = hf(input_ids=torch.cat([row_inputs["input_ids"], new], 1), pixel_values=row_inputs["pixel_values"],
-                        image_sizes=row_inputs["image_sizes"], batch_num_images=row_inputs["batch_num_images"],
-                        attention_mask=attention, position_ids=torch.arange(total)[None]).logits
-        np.testing.assert_array_equal(tokens[row], logits[0, length - 1:].argmax(-1).numpy())
+@pytest.fixture(scope="module")
+def image_tokens():
+    return [TOKENS[0] + TOKENS[1], TOKENS[2]]
 
 
-def test_every_method_runs_on_ragged_rows_with_every_image_token_marked(tiny, batch):
-    """Every method from one shared prefill; the full cache's run counts the image tokens it marked
-    (newlines included)."""
-    from lookm_jax.sweep import generate_methods
-    from method_variants import DEFAULTS, build
-
-    model = tiny[1]
-    ids, mask, pixels = batch
-    full = model.run(ids, pixels, attention_mask=mask, max_new_tokens=NEW_TOKENS)
-    np.testing.assert_array_equal(full.image_tokens, [TOKENS[0] + TOKENS[1], TOKENS[2]])
-    methods = [build(name, {}, budget=0.5) for name, _ in DEFAULTS] + [
-        lookm_jax.get_method("lookm", budget=1.0, merge=None)]
-    tokens = dict(zip([name for name, _ in DEFAULTS] + ["keep_all"],
-                      generate_methods(model, ids, pixels, mask, NEW_TOKENS, methods=methods)))
-    chex.assert_shape(list(tokens.values()), [(2, NEW_TOKENS)] * len(methods))
-    np.testing.assert_array_equal(tokens["full"], full.tokens)
-    np.testing.assert_array_equal(tokens["keep_all"], full.tokens)
-
-
-def test_prefill_and_decode_export_for_gpu_and_tpu(tiny, batch):
-    import functools
-
-    from lookm_jax import generate as gen, inputs
-
-    model = tiny[1]
-    ids, mask, pixels = batch
-    method = lookm_jax.get_method("lookm", budget=0.5)
-    prompt = inputs.prepare(model, ids, pixels, mask, NEW_TOKENS, [method])
-    args = (model.config, model.params, prompt.ids, prompt.valid, prompt.pixel_values, jax.random.key(0))
-    static = dict(method=method, max_new_tokens=NEW_TOKENS, sampling=gen.Sampling())
-    platforms = ("cuda", "tpu")
-    assert jax.export.export(gen.prefill, platforms=platforms)(*args, **static).platforms == platforms
-    first, cache, _ = jax.eval_shape(functools.partial(gen.prefill, args[0], **static), *args[1:])
-    exported = jax.export.export(gen.decode, platforms=platforms)(
-        model.text_config, model.params["text"], first, cache, args[-1], max_new_tokens=NEW_TOKENS,
-        sampling=gen.Sampling(), eos_ids=model.text_config.eos_token_ids)
-    assert exported.platforms == platforms
+assert (next_tests.IMAGE_TOKEN, next_tests.NEW_TOKENS) == (IMAGE_TOKEN, NEW_TOKENS)  # what the shared tests use
+test_greedy_generation_matches_hf = next_tests.test_greedy_generation_matches_hf
+test_compressed_decode_equals_hf_attending_to_the_kept_slots = (
+    next_tests.test_compressed_decode_equals_hf_attending_to_the_kept_slots)
+test_every_method_runs_on_ragged_rows_with_every_image_token_marked = (
+    next_tests.test_every_method_runs_on_ragged_rows_with_every_image_token_marked)
+test_prefill_and_decode_export_for_gpu_and_tpu = next_tests.test_prefill_and_decode_export_for_gpu_and_tpu
 
 
 # ---- config handling, conversion ---------------------------------------------------------------------

@@ -23,7 +23,6 @@ the groups present) in `OUTPUT/milebench_datasets.csv` and `OUTPUT/milebench_gro
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import re
