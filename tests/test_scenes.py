@@ -142,8 +142,12 @@ def test_eval_scenes_end_to_end_resumes_and_reports(demo, tmp_path, capsys):
     again = [json.loads(line) for line in open(jsonl).read().splitlines()]
     assert len(again) == len(rows) and [r["output"] for r in again] == [r["output"] for r in rows]
     capsys.readouterr()
-    assert main(argv + ["--report-only"]) == 0
-    assert "accuracy per task" in capsys.readouterr().out
+    assert main(argv + ["--report-only", "--compare", "H2O"]) == 0
+    out = capsys.readouterr().out
+    assert "accuracy per task" in out and "| H2O minus | budget | picture_colour | which_picture | all |" in out
+    assert re.search(r"\| full \| 0.5 \| [+-]\d\.\d\d ± ", out), out
+    assert main(argv + ["--report-only", "--compare", "h2o"]) == 2  # a label, not a method name
+    assert "--compare 'h2o' is none of the configs' labels: ['H2O', 'full']" in capsys.readouterr().err
     with open(table) as f:
         summary = list(csv.DictReader(f))
     assert tuple(summary[0]) == harness.CSV_COLUMNS and len(summary) == 2
@@ -153,6 +157,31 @@ def test_eval_scenes_end_to_end_resumes_and_reports(demo, tmp_path, capsys):
     after = [json.loads(line) for line in open(jsonl).read().splitlines()][len(rows):]
     assert len(after) == len(rows) and {r["asked"] for r in after} == {"after compression"}
     assert all(r["prompt_tokens"] < first["prompt_tokens"] for r, first in zip(after, rows))
+
+
+def test_paired_differences_over_the_questions_both_configs_answered():
+    """A minus B at each budget over the shared samples, per task and over all, with the standard error
+    of the paired differences; B's extra sample and another budget's rows do not count; the full
+    cache is compared at every budget of A's."""
+    def row(label, budget, task, sample, correct):
+        return {**ROW, "label": label, "method": label.lower(), "budget": budget, "task": task, "sample": sample,
+                "correct": correct}
+
+    a = [row("A", 0.1, task, i, c) for task, answers in (("t1", [1, 1, 0, 1]), ("t2", [0, 1, 1, 1]))
+         for i, c in enumerate(answers)]
+    b = [row("B", 0.1, task, i, c) for task, answers in (("t1", [0, 1, 0, 0, 1]), ("t2", [0, 0, 1, 1]))
+         for i, c in enumerate(answers)]
+    full = [{**r, "label": "full", "method": "full", "budget": 1.0} for r in b]
+    differences = bench.paired_differences(a + b + [row("B", 0.2, "t1", 0, 0)] + full, "A")
+    found = {d["task"]: d for d in differences if d["label"] == "B"}
+    assert {(d["label"], d["budget"]) for d in differences} == {("B", 0.1), ("full", 0.1)}
+    assert set(found) == {"t1", "t2", "all"}
+    for task, diffs in (("t1", [1, 0, 0, 1]), ("t2", [0, 1, 0, 0]), ("all", [1, 0, 0, 1, 0, 1, 0, 0])):
+        assert found[task]["samples"] == len(diffs)
+        np.testing.assert_allclose(found[task]["difference"], np.mean(diffs))
+        np.testing.assert_allclose(found[task]["standard_error"], np.std(diffs, ddof=1) / np.sqrt(len(diffs)))
+    table = bench.format_differences(differences, "A")
+    assert "| B | 0.1 | +0.50 ± 0.29 | +0.25 ± 0.25 | +0.38 ± 0.18 |" in table
 
 
 @pytest.mark.parametrize("argv, message", [

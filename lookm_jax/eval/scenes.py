@@ -161,6 +161,49 @@ def format_tasks(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def paired_differences(rows: list[dict], label: str) -> list[dict]:
+    """`label`'s accuracy minus every other config's at the same budget (the full cache's at every
+    budget), over the samples both answered (the same prompts: a paired difference), per task and over
+    all tasks: [{"label", "budget", "task" ("all" for every task), "samples", "difference",
+    "standard_error"}]."""
+    by_config: dict[tuple, dict[tuple, bool]] = {}
+    full = set()
+    for r in rows:
+        by_config.setdefault((r["label"], r["budget"]), {})[
+            (r["seed"], r["pictures"], r["task"], r["sample"])] = r["correct"]
+        if r["method"] == "full":
+            full.add(r["label"])
+    out = []
+    for budget in dict.fromkeys(b for lab, b in by_config if lab == label):
+        mine = by_config[(label, budget)]
+        for (other, other_budget), answers in by_config.items():
+            if other == label or (other_budget != budget and other not in full):
+                continue
+            keys = sorted(mine.keys() & answers.keys())
+            for task in ["all", *dict.fromkeys(k[2] for k in keys)]:
+                diff = np.array([float(mine[k]) - float(answers[k]) for k in keys if task in ("all", k[2])])
+                out.append({"label": other, "budget": budget, "task": task, "samples": len(diff),
+                            "difference": float(diff.mean()), "standard_error":
+                                float(diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else float("nan")})
+    return out
+
+
+def format_differences(differences: list[dict], label: str) -> str:
+    """A markdown table per budget: `label` minus each config, difference +- its standard error, per
+    task and over all; a cell below zero by more than its standard error is marked with *."""
+    tasks = list(dict.fromkeys(d["task"] for d in differences if d["task"] != "all")) + ["all"]
+    lines = [f"| {label} minus | budget | " + " | ".join(tasks) + " |", "|" + "---|" * (len(tasks) + 2)]
+    cells = {(d["label"], d["budget"], d["task"]): d for d in differences}
+    for other, budget in dict.fromkeys((d["label"], d["budget"]) for d in differences):
+        values = []
+        for task in tasks:
+            d = cells.get((other, budget, task))
+            below = d is not None and d["difference"] < -d["standard_error"]
+            values.append("" if d is None else f"{d['difference']:+.2f} ± {d['standard_error']:.2f}{' *' if below else ''}")
+        lines.append(f"| {other} | {budget:g} | " + " | ".join(values) + " |")
+    return "\n".join(lines)
+
+
 # ---- the tower's held-out check -------------------------------------------------------------------
 
 def held_out_questions(split: str, n: int, seed: int = 0) -> list[tuple[scenes.Scene, scenes.Question]]:
@@ -232,6 +275,9 @@ def add_parser(subparsers) -> None:
                         "token comes from the prefill, before compression)")
     p.add_argument("--report-only", action="store_true",
                    help="summarise the rows already in the JSONL (e.g. of an interrupted run); run nothing")
+    p.add_argument("--compare", metavar="LABEL",
+                   help="also print LABEL's accuracy minus every other config's at each budget, per task, with the "
+                        "paired standard error (e.g. \"LOOK-M + image quota\", a label of the tables)")
     p.set_defaults(func=cmd_scenes)
 
 
@@ -264,11 +310,17 @@ def cmd_scenes(args) -> int:
         rows = run_benchmark(model, configs, args.tasks, args.pictures, args.samples, args.seed, jsonl,
                              batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                              max_decode_rows=args.max_decode_rows, asked=asked, log=lambda s: print(s, flush=True))
+    if args.compare is not None and args.compare not in {r["label"] for r in rows}:
+        raise ValueError(f"--compare {args.compare!r} is none of the configs' labels: "
+                         f"{sorted({r['label'] for r in rows})}")
     table, tasks = summarize(rows), format_tasks(rows)  # both before the CSV: a bad row writes nothing
     harness.write_csv(output, table)
     print("accuracy per task\n" + tasks)
     if args.mode == "sweep":
         print("\naccuracy, all tasks\n" + harness.format_table(table) + "\n\nfidelity (greedy tokens equal to the "
               "full cache's)\n" + harness.format_table(table, "fidelity"))
+    if args.compare is not None:
+        print(f"\n{args.compare} minus each config (paired over the same questions; * below by more than one "
+              f"standard error)\n" + format_differences(paired_differences(rows, args.compare), args.compare))
     print(f"rows: {jsonl}; table: {output}; load average {harness.load_average()}")
     return 0
