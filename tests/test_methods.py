@@ -1,6 +1,7 @@
 """Every registered method: reference agreement, budgets, padding, raggedness, GQA, jit-staticness."""
 
 import functools
+import re
 
 import chex
 import hypothesis.strategies as st
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 
 import reference_lookm as ref
-from lookm_jax import METHODS, get_method
+from lookm_jax import METHODS, InputError, get_method
 from lookm_jax.compression.methods import LookM, ScorerMethod
 from lookm_jax.compression.methods.base import LayerIndex
 from method_variants import DEFAULTS, VARIANTS, build, ids
@@ -137,7 +138,18 @@ def test_get_method():
     assert get_method("h2o", budget=0.2) == get_method("h2o", alpha_recent=0.1, alpha_important=0.1)
     assert get_method("full").capacity(100) == 100
     assert get_method("lookm", budget=0.2).capacity(100) == 20
+    shared = get_method("h2o", budget=0.2, recent_share=0.25)
+    np.testing.assert_allclose([shared.alpha_recent, shared.alpha_important], [0.05, 0.15])
+    assert shared.bucket_slots(100) == (5, 15) and get_method("h2o", budget=0.2).bucket_slots(100) == (10, 10)
+    assert get_method("snapkv", budget=0.2, recent_share=0.0).bucket_slots(100) == (0, 20)
     assert get_method("lookm", keep_all_text=True, capacity_ratio=0.5).capacity(100) == 50
+    for bad, message in ((dict(recent_share=0.5), "recent_share splits a budget: give budget too"),
+                         (dict(budget=0.2, recent_share=1.5), "recent_share must be a fraction in [0, 1], got 1.5"),
+                         (dict(budget=0.2, recent_share="half"), "recent_share must be a fraction in [0, 1], got 'half'")):
+        with pytest.raises(InputError, match=re.escape(message)):
+            get_method("h2o", **bad)
+    with pytest.raises(InputError, match="method 'full' takes no recent_share"):
+        get_method("full", recent_share=0.5)
     for bad in (lambda: get_method("nope"), lambda: get_method("full", budget=0.2),
                 lambda: get_method("lookm", budget=0.2, alpha_recent=0.1),
                 lambda: get_method("lookm", merge="median"), lambda: get_method("lookm", text_prior=False,

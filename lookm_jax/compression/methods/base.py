@@ -124,6 +124,7 @@ class ScorerMethod(Method):
     alpha_recent: float = 0.1
     alpha_important: float = 0.1
     block: int = 128
+    RECENT_SHARE: ClassVar[float] = 0.5  # the recent window's share of a `get_method(..., budget=b)`
     layer_split: str | tuple[float, ...] = budgets.UNIFORM
     pyramid_beta: float = 20.0
     head_split: str = head_pool.UNIFORM
