@@ -132,8 +132,8 @@ def decode_memory_bytes(model, ids, pixels, method, new_tokens: int) -> int:
     from lookm_jax import generate as gen
 
     packed, valid = gen.pack_prompts(ids, buckets=model.buckets)
-    args = (model.config, model.params, jnp.asarray(packed), jnp.asarray(valid), jnp.asarray(pixels), jax.random.key(0))
-    first, cache, _ = jax.eval_shape(lambda *a: gen.prefill(*a, method=method, max_new_tokens=new_tokens,
+    args = (model.params, jnp.asarray(packed), jnp.asarray(valid), jnp.asarray(pixels), jax.random.key(0))
+    first, cache, _ = jax.eval_shape(lambda *a: gen.prefill(model.config, *a, method=method, max_new_tokens=new_tokens,
                                                             sampling=gen.Sampling()), *args)
     stats = gen.decode.lower(model.text_config, model.params["text"], first, cache, args[-1], max_new_tokens=new_tokens,
                              sampling=gen.Sampling(), eos_ids=()).compile().memory_analysis()
