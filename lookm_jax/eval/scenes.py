@@ -297,6 +297,8 @@ def cmd_scenes(args) -> int:
         raise ValueError(f"--pictures must each be in [2, {len(scenes.NUMBERS) - 1}], got {bad}")
     configs = harness.sweep_configs(["full"] if args.mode == "calibrate" else (args.methods or METHODS),
                                     args.budgets or harness.DEFAULT_BUDGETS)
+    if args.compare is not None and args.compare not in {c.label for c in configs}:
+        raise ValueError(f"--compare {args.compare!r} is none of the configs' labels: {sorted(c.label for c in configs)}")
     print(f"scenes {args.mode}: {len(configs)} configs x tasks {' '.join(args.tasks)} x pictures {args.pictures} x "
           f"{args.samples} samples, seed {args.seed}, load average {harness.load_average()}", flush=True)
     if args.report_only:
@@ -310,9 +312,6 @@ def cmd_scenes(args) -> int:
         rows = run_benchmark(model, configs, args.tasks, args.pictures, args.samples, args.seed, jsonl,
                              batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                              max_decode_rows=args.max_decode_rows, asked=asked, log=lambda s: print(s, flush=True))
-    if args.compare is not None and args.compare not in {r["label"] for r in rows}:
-        raise ValueError(f"--compare {args.compare!r} is none of the configs' labels: "
-                         f"{sorted({r['label'] for r in rows})}")
     table, tasks = summarize(rows), format_tasks(rows)  # both before the CSV: a bad row writes nothing
     harness.write_csv(output, table)
     print("accuracy per task\n" + tasks)
