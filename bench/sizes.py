@@ -80,8 +80,6 @@ CONFIGS = {
                           "hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14,
                           "temporal_patch_size": 2},
         "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 152064},
-    # Qwen/Qwen2.5-VL-7B-Instruct's config.json as published (resaved by transformers 4.53.1): the
-    # decoder's fields flat and in text_config (read from there, as HF does), the windowed tower.
     # llava-hf/llava-v1.6-vicuna-7b-hf (LLaVA-NeXT): LLaVA-1.5-7B's parts and a learned image newline;
     # anyres tiles (a 672 x 672 picture: the base tile and a 2 x 2 grid of 336 px tiles).
     "LLaVA-NeXT-7B": {
@@ -115,6 +113,8 @@ CONFIGS = {
                           "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 26,
                           "patch_size": 14, "vision_use_head": False},
         "vision_feature_layer": -1, "vision_feature_select_strategy": "full", "vocab_size": 152128},
+    # Qwen/Qwen2.5-VL-7B-Instruct's config.json as published (resaved by transformers 4.53.1): the
+    # decoder's fields flat and in text_config (read from there, as HF does), the windowed tower.
     "Qwen2.5-VL-7B": {
         "model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
         "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",

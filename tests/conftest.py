@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -57,6 +58,17 @@ def word_tokenizer(words: list[str], specials: list[str]):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     return tok
+
+
+def published_config(name: str) -> dict:
+    """A deep copy of a real checkpoint's config.json as published, from `bench/sizes.py`'s CONFIGS (the
+    one copy the size table and the config tests share), e.g. "Qwen2-VL-7B"."""
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import sizes  # bench/ is not a package
+
+    return json.loads(json.dumps(sizes.CONFIGS[name]))
 
 
 def with_field(config: dict, path: str, value) -> dict:

@@ -23,7 +23,7 @@ from lookm_jax.errors import InputError
 from lookm_jax.models.config import ConfigError
 from lookm_jax.models.llava_next import AnyresPixels, LlavaNextConfig
 from lookm_jax.models.llava_next_processing import LlavaNextImageProcessorConfig, preprocess_anyres
-from tests.conftest import with_field, word_tokenizer
+from tests.conftest import published_config, with_field, word_tokenizer
 
 FP32_TOL = 1e-5  # max abs logit difference, relative to the logits' scale (as test_qwen2_vl)
 WORDS = ["what", "is", "this", "a", "cat", "dog", "[UNK]"]
@@ -217,11 +217,19 @@ def test_packed_features_match_hf(tiny, batch):
     np.testing.assert_allclose(ours[0, :len(ref)], ref, atol=5e-6 * np.abs(ref).max(), rtol=0)
 
 
-def test_logits_match_hf(tiny, batch):
+@pytest.fixture(scope="module")
+def batch_inputs(batch):
+    """The whole batch as HF's inputs."""
+    ids, mask, pixels = batch
+    return _hf_inputs(ids, mask, pixels, [0, 1, 2])
+
+
+def test_logits_match_hf(tiny, batch, batch_inputs):
+    """(tests/test_llava_onevision.py runs it on its own model and `batch_inputs`.)"""
     hf, model = tiny
     ids, mask, pixels = batch
     with torch.no_grad():
-        ref = hf(**_hf_inputs(ids, mask, pixels, [0, 1, 2])).logits.numpy()
+        ref = hf(**batch_inputs).logits.numpy()
     ours = model.logits(ids, pixels, attention_mask=mask)
     assert ours.shape == ref.shape and ours.dtype == np.float32
     valid = mask.astype(bool)
@@ -337,20 +345,8 @@ def test_prefill_and_decode_export_for_gpu_and_tpu(tiny, batch):
 
 # ---- config handling, conversion ---------------------------------------------------------------------
 
-# llava-hf/llava-v1.6-vicuna-7b-hf's config.json as published.
-HUB_7B = {
-    "architectures": ["LlavaNextForConditionalGeneration"], "ignore_index": -100,
-    "image_grid_pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]],
-    "image_token_index": 32000, "model_type": "llava_next", "projector_hidden_act": "gelu",
-    "text_config": {"_name_or_path": "lmsys/vicuna-7b-v1.5", "architectures": ["LlamaForCausalLM"],
-                    "max_position_embeddings": 4096, "model_type": "llama", "pad_token_id": 0, "rms_norm_eps": 1e-05,
-                    "torch_dtype": "float16", "vocab_size": 32064},
-    "tie_word_embeddings": False, "torch_dtype": "float16", "transformers_version": "4.39.0.dev0",
-    "use_image_newline_parameter": True,
-    "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
-                      "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
-                      "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
-    "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064}
+# LLaVA-NeXT-7B's config.json as published (one copy, in bench/sizes.py, for the size table and these tests).
+HUB_7B = published_config("LLaVA-NeXT-7B")
 
 
 def test_hub_config_parses_as_hf_reads_it():

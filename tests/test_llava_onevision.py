@@ -28,7 +28,7 @@ from lookm_jax.models.llava_next import AnyresPixels, concat_pixels, pack_featur
 from lookm_jax.models.llava_next_processing import LlavaNextImageProcessorConfig, preprocess_anyres
 from lookm_jax.models.llava_onevision import LlavaOnevisionConfig
 from tests import test_llava_next as next_tests
-from tests.conftest import with_field, word_tokenizer
+from tests.conftest import published_config, with_field, word_tokenizer
 
 FP32_TOL = 1e-5  # max abs logit difference, relative to the logits' scale (as test_llava_next)
 WORDS = ["what", "is", "this", "a", "cat", "dog", "[UNK]"]
@@ -277,19 +277,14 @@ def test_packed_features_match_hf_single_and_multi_image(tiny, batch):
     np.testing.assert_allclose(ours[0, :len(ref)], ref, atol=5e-6 * np.abs(ref).max(), rtol=0)
 
 
-def test_logits_match_hf(tiny, batch):
-    hf, model = tiny
+@pytest.fixture(scope="module")
+def batch_inputs(batch):
+    """The whole batch as HF's inputs: row 0 a two-picture prompt, row 1 a one-picture prompt."""
     ids, mask, pixels = batch
-    with torch.no_grad():
-        ref = hf(**_hf_inputs(ids, mask, pixels, [0, 1, 2], [2, 1])).logits.numpy()
-    ours = model.logits(ids, pixels, attention_mask=mask)
-    assert ours.shape == ref.shape and ours.dtype == np.float32
-    valid = mask.astype(bool)
-    scale = np.abs(ref[valid]).max()
-    np.testing.assert_allclose(ours[valid], ref[valid], atol=FP32_TOL * scale, rtol=0)
-    other = AnyresPixels(np.random.default_rng(5).standard_normal(pixels.tiles.shape).astype(np.float32),
-                         pixels.sizes, pixels.layout)
-    assert np.abs(model.logits(ids, other, attention_mask=mask)[valid] - ours[valid]).max() > 1000 * FP32_TOL * scale
+    return _hf_inputs(ids, mask, pixels, [0, 1, 2], [2, 1])
+
+
+test_logits_match_hf = next_tests.test_logits_match_hf  # logits to FP32_TOL of HF's; other pixels change them
 
 
 # ---- generation: full cache against HF's generate, compressed cache against a masked reference -----
@@ -308,7 +303,8 @@ def image_tokens():
     return [TOKENS[0] + TOKENS[1], TOKENS[2]]
 
 
-assert (next_tests.IMAGE_TOKEN, next_tests.NEW_TOKENS) == (IMAGE_TOKEN, NEW_TOKENS)  # what the shared tests use
+# The shared tests read these from their own module:
+assert (next_tests.IMAGE_TOKEN, next_tests.NEW_TOKENS, next_tests.FP32_TOL) == (IMAGE_TOKEN, NEW_TOKENS, FP32_TOL)
 test_greedy_generation_matches_hf = next_tests.test_greedy_generation_matches_hf
 test_compressed_decode_equals_hf_attending_to_the_kept_slots = (
     next_tests.test_compressed_decode_equals_hf_attending_to_the_kept_slots)
@@ -319,25 +315,8 @@ test_prefill_and_decode_export_for_gpu_and_tpu = next_tests.test_prefill_and_dec
 
 # ---- config handling, conversion ---------------------------------------------------------------------
 
-# llava-hf/llava-onevision-qwen2-7b-ov-hf's config.json, written out without the hub (no network here):
-# its fields as published to the best of our reading, the 36 pinpoints HF's default list; the sizes
-# are checked by HF's own parameter count in tests/test_bench_sizes.py (8.03 B, the model card's).
-HUB_7B = {
-    "architectures": ["LlavaOnevisionForConditionalGeneration"], "ignore_index": -100,
-    "image_grid_pinpoints": [[384 * i, 384 * j] for i in range(1, 7) for j in range(1, 7)],
-    "image_token_index": 151646, "model_type": "llava_onevision", "projector_hidden_act": "gelu",
-    "text_config": {"_name_or_path": "Qwen/Qwen2-7B-Instruct", "architectures": ["Qwen2ForCausalLM"],
-                    "bos_token_id": 151643, "eos_token_id": 151645, "hidden_size": 3584,
-                    "intermediate_size": 18944, "max_position_embeddings": 32768, "max_window_layers": 28,
-                    "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28,
-                    "num_key_value_heads": 4, "rope_theta": 1000000.0, "sliding_window": 131072,
-                    "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 152128},
-    "tie_word_embeddings": False, "torch_dtype": "float16", "transformers_version": "4.45.0.dev0",
-    "use_image_newline_parameter": True, "video_token_index": 151647, "vision_aspect_ratio": "anyres_max_9",
-    "vision_config": {"hidden_size": 1152, "image_size": 384, "intermediate_size": 4304,
-                      "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 26,
-                      "patch_size": 14, "vision_use_head": False},
-    "vision_feature_layer": -1, "vision_feature_select_strategy": "full", "vocab_size": 152128}
+# LLaVA-OneVision-7B's config.json as published (one copy, in bench/sizes.py, for the size table and these tests).
+HUB_7B = published_config("LLaVA-OneVision-7B")
 
 
 def test_hub_config_parses_as_hf_reads_it():

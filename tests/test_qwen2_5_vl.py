@@ -23,7 +23,7 @@ from lookm_jax.models.config import ConfigError
 from lookm_jax.models.qwen2_5_vl import Qwen2_5_VLConfig, image_features, window_layout
 from lookm_jax.models.qwen2_vl import Pixels
 from tests import test_qwen2_vl as qwen2_vl_tests
-from tests.conftest import with_field
+from tests.conftest import published_config, with_field
 from tests.test_qwen2_vl import (END, IMAGE_TOKEN, SIZES, START, VOCAB, _images, hf_image_processor, make_batch,
                                  tiny_tokenizer)
 
@@ -159,28 +159,8 @@ def test_preprocess_images_and_encode_chat_equal_hf_processor(tiny):
 
 # ---- config handling, conversion ---------------------------------------------------------------------
 
-# Qwen/Qwen2.5-VL-7B-Instruct's config.json as published (resaved by transformers 4.53.1: the flat
-# fields, their copy in text_config, and the tower's).
-_TEXT_7B = {
-    "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
-    "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 128000,
-    "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
-    "rms_norm_eps": 1e-06, "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"},
-    "rope_theta": 1000000.0, "use_cache": True, "use_sliding_window": False, "vocab_size": 152064}
-HUB_7B = {
-    **_TEXT_7B, "architectures": ["Qwen2_5_VLForConditionalGeneration"], "image_token_id": 151655,
-    "model_type": "qwen2_5_vl", "sliding_window": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "transformers_version": "4.53.1", "video_token_id": 151656, "vision_end_token_id": 151653,
-    "vision_start_token_id": 151652, "vision_token_id": 151654,
-    "text_config": {**_TEXT_7B, "architectures": ["Qwen2_5_VLForConditionalGeneration"], "image_token_id": None,
-                    "layer_types": ["full_attention"] * 28, "model_type": "qwen2_5_vl_text", "sliding_window": None,
-                    "torch_dtype": "float32", "video_token_id": None, "vision_end_token_id": 151653,
-                    "vision_start_token_id": 151652, "vision_token_id": 151654},
-    "vision_config": {"depth": 32, "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu",
-                      "hidden_size": 1280, "in_channels": 3, "in_chans": 3, "initializer_range": 0.02,
-                      "intermediate_size": 3420, "model_type": "qwen2_5_vl", "num_heads": 16, "out_hidden_size": 3584,
-                      "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14, "temporal_patch_size": 2,
-                      "tokens_per_second": 2, "torch_dtype": "float32", "window_size": 112}}
+# Qwen2.5-VL-7B's config.json as published (one copy, in bench/sizes.py, for the size table and these tests).
+HUB_7B = published_config("Qwen2.5-VL-7B")
 FLAT_7B = {k: v for k, v in HUB_7B.items() if k != "text_config"}  # the hub's first file: no text_config
 
 

@@ -21,7 +21,7 @@ from lookm_jax.errors import InputError
 from lookm_jax.models.config import ConfigError
 from lookm_jax.models.qwen2_vl import Pixels, Qwen2VLConfig, mrope_positions
 from lookm_jax.models.qwen2_vl_processing import Qwen2VLImageProcessorConfig, preprocess_patches
-from tests.conftest import with_field, word_tokenizer
+from tests.conftest import published_config, with_field, word_tokenizer
 
 FP32_TOL = 1e-5  # max abs logit difference, relative to the logits' scale
 WORDS = ["what", "is", "this", "a", "cat", "dog", "[UNK]"]
@@ -400,19 +400,8 @@ def test_prefill_and_decode_export_for_gpu_and_tpu(tiny, batch):
 
 # ---- config handling, checkpoint layouts, conversion ----------------------------------------------
 
-# Qwen/Qwen2-VL-7B-Instruct's config.json as published: the flat layout, hub rope_scaling.
-HUB_7B = {
-    "model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"], "attention_dropout": 0.0,
-    "bos_token_id": 151643, "eos_token_id": 151645, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
-    "vision_token_id": 151654, "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu",
-    "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 32768,
-    "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
-    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "transformers_version": "4.41.2", "use_cache": True, "use_sliding_window": False,
-    "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3,
-                      "hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14,
-                      "temporal_patch_size": 2},
-    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 152064}
+# Qwen2-VL-7B's config.json as published (one copy, in bench/sizes.py, for the size table and these tests).
+HUB_7B = published_config("Qwen2-VL-7B")
 
 
 def test_hub_config_parses_as_hf_reads_it():
