@@ -86,29 +86,41 @@ def image_quota_count(quota, n, candidates, images):
     return math.floor(quota * n)
 
 
+def row_candidates(valid_row, is_image_row, m_b, n_sink):
+    """One row's valid positions, its recent window (M), the rest (the candidates), the first n_sink of
+    them (sinks), the remaining pool, and the pool's image positions."""
+    idx = [j for j in range(len(valid_row)) if valid_row[j]]
+    recent = recent_positions(valid_row, m_b)
+    rest = [j for j in idx if j not in recent]
+    sinks = rest[:n_sink]
+    pool = [j for j in rest if j not in sinks]
+    return idx, recent, rest, sinks, pool, [j for j in pool if is_image_row[j]]
+
+
+def reserved_images(head_scores, pool, image_pool, quota, n_b):
+    """The image quota's reserved slots of one head: its best image tokens of the pool (ties: lower
+    position); none without a quota."""
+    if quota is None:
+        return []
+    count = image_quota_count(quota, n_b, len(pool), len(image_pool))
+    return sorted(image_pool, key=lambda j: (-float(head_scores[j]), j))[:count]
+
+
 def adaptive_ranked(scores, valid, is_image, m, n, *, groups, head_floor, text_prior, n_sink=0, image_quota=None):
     """AdaKV: {(b, h): ranked slots of head h}. Per row and group of heads, each head first gets its
     F = min(floor(head_floor N), C) best candidates (C outside the recent window), then the group's
     H_g (min(N, C) - F) remaining slots go to the best of all its heads' other candidates, ranked by
     class (sink > quota-reserved image > text under text-prior > other), score (sinks: 0), head, position."""
-    b_, h_, length = scores.shape
+    b_, h_, _ = scores.shape
     hg = h_ // groups
     out = {}
     for b in range(b_):
-        idx = [j for j in range(length) if valid[b, j]]
-        recent = recent_positions(valid[b], m[b])
-        rest = [j for j in idx if j not in recent]
-        sinks = rest[:n_sink]
-        pool = [j for j in rest if j not in sinks]
-        image_pool = [j for j in pool if is_image[b, j]]
+        _, _, rest, sinks, pool, image_pool = row_candidates(valid[b], is_image[b], m[b], n_sink)
         floor = min(math.floor(head_floor * n[b]), len(rest))
         for g in range(groups):
             entries = []
             for h in range(g * hg, (g + 1) * hg):
-                reserved = []
-                if image_quota is not None:
-                    count = image_quota_count(image_quota, n[b], len(pool), len(image_pool))
-                    reserved = sorted(image_pool, key=lambda j: (-float(scores[b, h, j]), j))[:count]
+                reserved = reserved_images(scores[b, h], pool, image_pool, image_quota, n[b])
 
                 def key(j, h=h, reserved=reserved):
                     cls = 3 if j in sinks else 2 if j in reserved else 1 if text_prior and not is_image[b, j] else 0
@@ -126,21 +138,13 @@ def select(scores, valid, is_image, m, n, *, text_prior, n_sink=0, keep_all_text
     """Eq. 5-8 for every (b, h): sorted kept positions (recent M + top N; ties: lower position).
     With an image quota, the best floor(q N) image tokens outside the window and the sinks rank
     right after the sinks, above every text token. head_n: {(b, h): N of the head} (AdaKV) instead of N."""
-    b_, h_, length = scores.shape
+    b_, h_, _ = scores.shape
     kept = {}
     for b in range(b_):
-        idx = [j for j in range(length) if valid[b, j]]
-        recent = recent_positions(valid[b], m[b])
-        rest = [j for j in idx if j not in recent]
-        sinks = rest[:n_sink]
-        pool = [j for j in rest if j not in sinks]
-        image_pool = [j for j in pool if is_image[b, j]]
+        idx, recent, rest, sinks, pool, image_pool = row_candidates(valid[b], is_image[b], m[b], n_sink)
         for h in range(h_):
             a = {j: float(scores[b, h, j]) for j in idx}
-            reserved = []
-            if image_quota is not None:
-                count = image_quota_count(image_quota, n[b], len(pool), len(image_pool))
-                reserved = sorted(image_pool, key=lambda j: (-a[j], j))[:count]
+            reserved = reserved_images(scores[b, h], pool, image_pool, image_quota, n[b])
             if text_prior:  # eq. 5
                 top = max(a.values())
                 a = {j: s + top if not is_image[b, j] else s for j, s in a.items()}
