@@ -98,7 +98,11 @@ def batch(tiny):
     three images of different grids. -> (ids [2, L], mask [2, L], AnyresPixels)."""
     pixels, tokens = tiny[1].preprocess_images(_images())
     assert tokens == TOKENS
+    return (*ragged_rows(tokens), pixels)
 
+
+def ragged_rows(tokens):
+    """The batch's two rows around images of `tokens` placeholders each, right-padded: (ids, mask)."""
     def image(n):
         return [IMAGE_TOKEN] * tokens[n]
 
@@ -106,7 +110,7 @@ def batch(tiny):
     length = max(map(len, rows))
     ids = np.asarray([r + [0] * (length - len(r)) for r in rows], np.int32)
     mask = np.asarray([[1] * len(r) + [0] * (length - len(r)) for r in rows], np.int32)
-    return ids, mask, pixels
+    return ids, mask
 
 
 def _hf_pixels(pixels, images):

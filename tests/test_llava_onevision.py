@@ -119,35 +119,15 @@ def batch(tiny):
     first, tokens0 = model.preprocess_images(_images(ROW0))
     second, tokens1 = model.preprocess_images(_images(ROW1, seed=1))
     assert tokens0 + tokens1 == TOKENS
-    pixels = concat_pixels([first, second])
-
-    def image(n):
-        return [IMAGE_TOKEN] * TOKENS[n]
-
-    rows = [[0, 1] + image(0) + [2, 3] + image(1) + [4, 5, 2], [3] + image(2) + [0, 1, 2, 3, 4, 5, 0, 1]]
-    length = max(map(len, rows))
-    ids = np.asarray([r + [0] * (length - len(r)) for r in rows], np.int32)
-    mask = np.asarray([[1] * len(r) + [0] * (length - len(r)) for r in rows], np.int32)
-    return ids, mask, pixels
+    return (*next_tests.ragged_rows(TOKENS), concat_pixels([first, second]))
 
 
-def _hf_pixels(pixels, images):
-    """Our tiles of `images` (indices) as HF's pixel_values [n, most tiles, C, S, S] (zero-padded) and
-    image_sizes [n, 2]."""
-    tiles, sizes, layout = (np.asarray(a) for a in (pixels.tiles, pixels.sizes, pixels.layout))
-    counts = 1 + layout[:, 1] * layout[:, 2]
-    per_image = [tiles[layout[i, 0]:layout[i, 0] + counts[i]] for i in images]
-    out = np.zeros((len(images), max(map(len, per_image)), *tiles.shape[1:]), np.float32)
-    for i, t in enumerate(per_image):
-        out[i, :len(t)] = t
-    return torch.as_tensor(out), torch.as_tensor(sizes[list(images)].astype(np.int64))
+_hf_pixels = next_tests._hf_pixels  # our tiles as HF's pixel_values and image_sizes
 
 
 def _hf_inputs(ids, mask, pixels, images, batch_num_images):
-    pixel_values, image_sizes = _hf_pixels(pixels, images)
-    return dict(input_ids=torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask),
-                pixel_values=pixel_values, image_sizes=image_sizes,
-                batch_num_images=torch.as_tensor(batch_num_images))
+    """LLaVA-NeXT's HF inputs, with each prompt's image count (HF tiles a one-picture prompt's only)."""
+    return {**next_tests._hf_inputs(ids, mask, pixels, images), "batch_num_images": torch.as_tensor(batch_num_images)}
 
 
 def _row_inputs(batch, row):
