@@ -387,12 +387,7 @@ def test_hub_key_layout_and_converted_round_trip_give_the_same_params(tiny, tmp_
     transformers 5's module names (model.vision_tower.vision_model.*, model.image_newline,
     model.language_model.*) convert alike; `lookm convert` + `load` keeps config, preprocessor
     settings and params; a missing newline is refused by name."""
-    import shutil
-
-    from safetensors.numpy import load_file, save_file
-
-    from lookm_jax.cli import main
-    from lookm_jax.convert.tables import CheckpointError
+    from safetensors.numpy import load_file
 
     model = tiny[1]
     assert isinstance(model.config, LlavaNextConfig) and model.params["projector"]["newline"].shape == (96,)
@@ -400,24 +395,41 @@ def test_hub_key_layout_and_converted_round_trip_give_the_same_params(tiny, tmp_
     tensors = load_file(f"{source}/model.safetensors")
     assert "image_newline" in tensors
 
-    def module_name(k):
-        for old, new in (("vision_tower.", "model.vision_tower.vision_model."), ("language_model.model.",
-                         "model.language_model."), ("language_model.lm_head.", "lm_head."), ("", "model.")):
-            if k.startswith(old):
-                return new + k[len(old):]
-
     v5 = {module_name(k): v for k, v in tensors.items()}
     assert "model.image_newline" in v5 and "model.multi_modal_projector.linear_1.weight" in v5
-    broken = {k: v for k, v in tensors.items() if k != "image_newline"}
-    for name, kept in (("v5", v5), ("broken", broken)):
+    check_layout_round_trip(model, tmp_path, v5, {k: v for k, v in tensors.items() if k != "image_newline"},
+                            "image_newline")
+
+
+def module_name(key: str) -> str:
+    """A name save_pretrained writes -> transformers 5's module name for it."""
+    for old, new in (("vision_tower.", "model.vision_tower.vision_model."), ("language_model.model.",
+                     "model.language_model."), ("language_model.lm_head.", "lm_head."), ("", "model.")):
+        if key.startswith(old):
+            return new + key[len(old):]
+
+
+def check_layout_round_trip(model, tmp_path, renamed: dict, broken: dict, missing: str) -> None:
+    """The model's checkpoint folder re-saved with `renamed` tensors loads to the same params; with
+    `broken` ones (lacking `missing`) it is refused naming it; `lookm convert` of the renamed folder +
+    `load` keeps config, preprocessor settings and params."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from lookm_jax.cli import main
+    from lookm_jax.convert.tables import CheckpointError
+
+    source = model.manifest["source"]
+    for name, kept in (("renamed", renamed), ("broken", broken)):
         (tmp_path / name).mkdir()
         for file in ("config.json", "tokenizer.json", "preprocessor_config.json"):
             shutil.copy(f"{source}/{file}", tmp_path / name)
         save_file(kept, str(tmp_path / name / "model.safetensors"), metadata={"format": "pt"})
-    chex.assert_trees_all_equal(lookm_jax.load(str(tmp_path / "v5")).params, model.params)
-    with pytest.raises(CheckpointError, match="image_newline"):
+    chex.assert_trees_all_equal(lookm_jax.load(str(tmp_path / "renamed")).params, model.params)
+    with pytest.raises(CheckpointError, match=missing):
         lookm_jax.load(str(tmp_path / "broken"))
-    assert main(["convert", str(tmp_path / "v5"), str(tmp_path / "converted")]) == 0
+    assert main(["convert", str(tmp_path / "renamed"), str(tmp_path / "converted")]) == 0
     again = lookm_jax.load(str(tmp_path / "converted"))
     assert again.config == model.config and again.manifest["image_processor"] == model.manifest["image_processor"]
     chex.assert_trees_all_equal(again.params, model.params)

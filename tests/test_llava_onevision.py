@@ -349,12 +349,7 @@ def test_hub_key_layout_and_converted_round_trip_give_the_same_params(tiny, tmp_
     model.image_newline, model.language_model.*) convert alike, a pooling head's tensors (vision_use_head)
     are dropped; `lookm convert` + `load` keeps config, preprocessor settings and params; a missing
     patch bias is refused by name."""
-    import shutil
-
-    from safetensors.numpy import load_file, save_file
-
-    from lookm_jax.cli import main
-    from lookm_jax.convert.tables import CheckpointError
+    from safetensors.numpy import load_file
 
     model = tiny[1]
     assert isinstance(model.config, LlavaOnevisionConfig) and model.params["projector"]["newline"].shape == (96,)
@@ -362,27 +357,10 @@ def test_hub_key_layout_and_converted_round_trip_give_the_same_params(tiny, tmp_
     source = model.manifest["source"]
     tensors = load_file(f"{source}/model.safetensors")
 
-    def module_name(k):
-        for old, new in (("vision_tower.", "model.vision_tower.vision_model."), ("language_model.model.",
-                         "model.language_model."), ("language_model.lm_head.", "lm_head."), ("", "model.")):
-            if k.startswith(old):
-                return new + k[len(old):]
-
-    renamed = {module_name(k): v for k, v in tensors.items()}
+    renamed = {next_tests.module_name(k): v for k, v in tensors.items()}
     assert "model.image_newline" in renamed and "model.multi_modal_projector.linear_1.weight" in renamed
     renamed["model.vision_tower.vision_model.head.probe"] = np.zeros((1, 1, 48), np.float32)
     bias = [k for k in renamed if k.endswith("patch_embedding.bias")]
     assert len(bias) == 1
-    broken = {k: v for k, v in renamed.items() if k != bias[0]}
-    for name, kept in (("renamed", renamed), ("broken", broken)):
-        (tmp_path / name).mkdir()
-        for file in ("config.json", "tokenizer.json", "preprocessor_config.json"):
-            shutil.copy(f"{source}/{file}", tmp_path / name)
-        save_file(kept, str(tmp_path / name / "model.safetensors"), metadata={"format": "pt"})
-    chex.assert_trees_all_equal(lookm_jax.load(str(tmp_path / "renamed")).params, model.params)
-    with pytest.raises(CheckpointError, match="patch_embedding.bias"):
-        lookm_jax.load(str(tmp_path / "broken"))
-    assert main(["convert", str(tmp_path / "renamed"), str(tmp_path / "converted")]) == 0
-    again = lookm_jax.load(str(tmp_path / "converted"))
-    assert again.config == model.config and again.manifest["image_processor"] == model.manifest["image_processor"]
-    chex.assert_trees_all_equal(again.params, model.params)
+    next_tests.check_layout_round_trip(model, tmp_path, renamed, {k: v for k, v in renamed.items() if k != bias[0]},
+                                       "patch_embedding.bias")
