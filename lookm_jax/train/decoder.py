@@ -58,6 +58,21 @@ DEFAULT_BATCHES = (
     _pictures(2, 5, 8, turns=6, length=768, max_targets=40),
 )
 REPLAY_LENGTH = 128  # a chat-rendered replay prompt (<= 60 tokens here) + its continuation (<= 32)
+ADAPTERS_FILE, VISION_FILE = "demo_adapters.safetensors", "demo_vision.safetensors"  # a run's exported weights
+SHIPPED = "shipped"  # `DecoderConfig.init`: start from the demo's shipped adapters and projector
+
+
+def weighted_batches(weights: dict[str, int], batches: tuple[BatchSpec, ...] = DEFAULT_BATCHES) -> tuple[BatchSpec, ...]:
+    """`batches` whose multi-picture samples draw question kinds in proportion to `weights` (kind ->
+    a whole number >= 1; kinds not named weigh 1): each kind is repeated that often in the spec's
+    `kinds`, from which `scenes.multi_picture_sample` draws. Single-picture specs are unchanged."""
+    for kind, weight in weights.items():
+        if kind not in scenes.PICTURE_KINDS:
+            raise ValueError(f"unknown question kind {kind!r}; expected one of {scenes.PICTURE_KINDS}")
+        if not isinstance(weight, int) or weight < 1:
+            raise ValueError(f"the weight of {kind} must be a whole number >= 1, got {weight!r}")
+    return tuple(spec if spec.pictures == 1 else dataclasses.replace(
+        spec, kinds=tuple(k for k in spec.kinds for _ in range(weights.get(k, 1)))) for spec in batches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +93,7 @@ class DecoderConfig:
     eval_every: int = 100
     checkpoint_every: int = 10
     eval_samples: int = 32  # held-out questions per split at each evaluation
+    init: str | None = None  # a finished run's folder, or SHIPPED: its adapters and projector start this run
     FREE_ON_RESUME: ClassVar[tuple[str, ...]] = ("eval_every", "checkpoint_every", "eval_samples")
 
     def __post_init__(self):
@@ -95,6 +111,34 @@ class DecoderConfig:
 
     def spec(self, step: int) -> BatchSpec:
         return self.batches[(step - 1) % len(self.batches)]
+
+
+def initial_trainable(model, config: DecoderConfig) -> dict:
+    """{"adapters", "projector"} the run starts from: fresh adapters (LoRA's init) and `model`'s projector,
+    or those of `config.init` (exported b divided by `config.scale`, so the adapted decoder is the one
+    exported). Refuses an init of another rank or trained over another tower than `model`'s."""
+    from lookm_jax import loading
+
+    text = model.params["text"]
+    if config.init is None:
+        return {"adapters": lora.init(text, config.rank, config.seed),
+                "projector": jax.tree.map(jnp.array, model.params["projector"])}  # own copies: the step donates
+    if config.init == SHIPPED:
+        adapters_path, vision_path = loading.DEMO_ADAPTERS_WEIGHTS, loading.DEMO_VISION_WEIGHTS
+    else:
+        adapters_path, vision_path = (os.path.join(config.init, name) for name in (ADAPTERS_FILE, VISION_FILE))
+    exported = loading.read_demo_adapters(adapters_path, text)
+    rank = int(exported[0][llama.ADAPTED_WEIGHTS[0]]["a"].shape[0])
+    if rank != config.rank:
+        raise ValueError(f"--init {config.init}: its adapters have rank {rank}, this run's rank is {config.rank}")
+    vision = loading.read_demo_vision(vision_path)
+    same_tower = jax.tree.structure(vision["vision"]) == jax.tree.structure(model.params["vision"]) and all(
+        np.array_equal(a, b) for a, b in zip(jax.tree.leaves(vision["vision"]), jax.tree.leaves(model.params["vision"])))
+    if not same_tower:
+        raise ValueError(f"--init {config.init}: its projector was trained over another tower than the one this run uses")
+    adapters = jax.tree.map(jnp.asarray, tuple({name: {"a": ad["a"], "b": ad["b"] / config.scale}
+                                                for name, ad in layer.items()} for layer in exported))
+    return {"adapters": adapters, "projector": jax.tree.map(jnp.asarray, vision["projector"])}
 
 
 def optimizer(config: DecoderConfig) -> optax.GradientTransformation:
@@ -230,8 +274,7 @@ def train(model, config: DecoderConfig, output: str, *, batch_fn: Callable[[int]
     os.makedirs(output, exist_ok=True)
     cfg = model.config
     frozen = {"text": model.params["text"], "vision": model.params["vision"]}
-    trainable = {"adapters": lora.init(frozen["text"], config.rank, config.seed),
-                 "projector": jax.tree.map(jnp.array, model.params["projector"])}  # own copies: the step donates
+    trainable = initial_trainable(model, config)
     tx = optimizer(config)
     opt_state = tx.init(trainable)
     step = 0

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
 from lookm_jax.checks import check_output_folder
 from lookm_jax.cli_args import finite_float, int_at_least, path_arg, positive_float, seed_arg
 
-ADAPTERS_FILE, VISION_FILE = "demo_adapters.safetensors", "demo_vision.safetensors"
+
+
+def kind_weight(text: str) -> tuple[str, int]:
+    """argparse type of --kind-weight: "KIND=N" -> (KIND, N), N a whole number >= 1."""
+    kind, _, weight = text.partition("=")
+    if not weight.isdigit() or int(weight) < 1:
+        raise argparse.ArgumentTypeError(f"expected KIND=N with N a whole number >= 1, got {text!r}")
+    return kind, int(weight)
 
 
 def add_parser(subparsers) -> None:
@@ -18,7 +26,7 @@ def add_parser(subparsers) -> None:
         description="LLaVA's stage 2 on the demo: LoRA adapters on every SmolLM2 layer and the projector learn "
                     "answers about 1-16 pictures, with the frozen decoder's own continuations of text prompts replayed "
                     "every step. The tower stays as shipped. Resumes from OUTPUT's checkpoint; writes "
-                    f"{ADAPTERS_FILE} and {VISION_FILE} (tower + trained projector) at the end.")
+                    "demo_adapters.safetensors and demo_vision.safetensors (tower + trained projector) at the end.")
     p.add_argument("--output", type=path_arg, required=True, help="run folder: checkpoint, log.jsonl, replay banks, "
                    "exported weights (required)")
     p.add_argument("--steps", type=int_at_least(2), default=600, help="steps (the cosine schedule's length)")
@@ -32,6 +40,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--replay-weight", type=finite_float, default=1.0, help="weight of the replay KL to the frozen decoder, >= 0")
     p.add_argument("--eval-every", type=int_at_least(1), default=100, help="steps between held-out accuracy checks")
     p.add_argument("--checkpoint-every", type=int_at_least(1), default=10, help="steps between checkpoints")
+    p.add_argument("--init", type=path_arg, help="start from a finished run's folder (its exported adapters and "
+                   "projector), or 'shipped' for the demo's own; fresh optimizer and schedule (default: fresh adapters)")
+    p.add_argument("--kind-weight", type=kind_weight, action="append", default=[], metavar="KIND=N",
+                   help="draw multi-picture question KIND N times as often as the others (repeatable; kinds: "
+                        "picture_colour picture_shape which_picture count_pictures picture_position describe)")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the data streams and the adapters' init")
     p.add_argument("--stop-after", type=int_at_least(0),
                    help="end this call after N steps, resumable; 0 exports OUTPUT's checkpoint (default: run to --steps)")
@@ -44,6 +57,8 @@ def decoder_config(args):
 
     if args.warmup_steps >= args.steps:
         raise ValueError(f"--warmup-steps must be < --steps, got {args.warmup_steps} and {args.steps}")
+    if args.init not in (None, decoder.SHIPPED) and not os.path.isdir(args.init):
+        raise ValueError(f"--init must be a finished run's folder or '{decoder.SHIPPED}', got {args.init} (no such folder)")
     for flag in ("projector_learning_rate", "replay_weight"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
@@ -51,7 +66,8 @@ def decoder_config(args):
         steps=args.steps, rank=args.rank, scale=args.scale, learning_rate=args.learning_rate,
         projector_learning_rate=args.projector_learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
         replay_batch_size=args.replay_batch_size, replay_weight=args.replay_weight, eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every)
+        checkpoint_every=args.checkpoint_every, init=args.init,
+        batches=decoder.weighted_batches(dict(args.kind_weight)))
 
 
 def cmd_decoder(args) -> int:
@@ -67,9 +83,9 @@ def cmd_decoder(args) -> int:
     model = loading.demo_model(vision="trained", decoder="frozen")  # stage 2 starts from the frozen decoder
     trained = decoder.train(model, config, args.output, stop_after=args.stop_after)
     metadata = {"train_config": json.dumps(dataclasses.asdict(config), default=str)}
-    path = os.path.join(args.output, ADAPTERS_FILE)
+    path = os.path.join(args.output, decoder.ADAPTERS_FILE)
     decoder.export_adapters(path, trained["adapters"], config.scale, metadata)
-    vision_path = os.path.join(args.output, VISION_FILE)
+    vision_path = os.path.join(args.output, decoder.VISION_FILE)
     vision.export_weights(vision_path, {"vision": model.params["vision"], "projector": trained["projector"]},
                           {**metadata, "vision_config": json.dumps(loading.DEMO_VISION)})
     print(f"wrote {path} and {vision_path}")
