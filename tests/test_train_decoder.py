@@ -173,3 +173,43 @@ def test_the_demo_built_with_adapters_folded_equals_them_applied_on_the_fly(tmp_
     error = float(jnp.abs(logits(folded.params["text"]) - on_the_fly).max())
     assert error <= 1e-5 * float(jnp.abs(on_the_fly).max()), error  # the ports' bar: 1e-5 of the logits' scale
     assert float(jnp.abs(on_the_fly - logits(frozen.params["text"])).max()) > 1e-2
+
+
+def test_a_run_started_from_an_exported_run_starts_where_it_ended(tiny, tmp_path):
+    """`DecoderConfig.init`: a finished run's exported adapters (b unscaled) and projector are the new
+    run's starting point; an init of another rank, or over another tower, is refused."""
+    import types
+
+    from lookm_jax.train import vision
+
+    config = _config(3, projector_learning_rate=1e-3)
+    first = tmp_path / "first"
+    trained = _train(tiny, config, first)
+    decoder.export_adapters(str(first / decoder.ADAPTERS_FILE), trained["adapters"], config.scale, {})
+    vision.export_weights(str(first / decoder.VISION_FILE),
+                          {"vision": jax.device_get(tiny.params["vision"]), "projector": trained["projector"]}, {})
+    start = decoder.initial_trainable(tiny, dataclasses.replace(config, init=str(first)))
+    chex.assert_trees_all_close(start["adapters"], trained["adapters"], rtol=1e-3, atol=1e-6)  # float16 storage
+    chex.assert_trees_all_equal(jax.device_get(start["projector"]), trained["projector"])
+    with pytest.raises(ValueError, match="its adapters have rank 4, this run's rank is 8"):
+        decoder.initial_trainable(tiny, dataclasses.replace(config, init=str(first), rank=8))
+    other_tower = types.SimpleNamespace(params={**tiny.params, "vision": jax.tree.map(lambda x: x + 1, tiny.params["vision"])})
+    with pytest.raises(ValueError, match="trained over another tower"):
+        decoder.initial_trainable(other_tower, dataclasses.replace(config, init=str(first)))
+
+
+def test_kind_weights_draw_multi_picture_kinds_in_proportion():
+    from collections import Counter
+
+    from lookm_jax import scenes
+
+    batches = decoder.weighted_batches({"which_picture": 3})
+    assert batches[0] == decoder.DEFAULT_BATCHES[0]  # single pictures: no kinds to weigh
+    assert all(s.kinds.count("which_picture") == 3 and s.kinds.count("picture_colour") == 1 for s in batches[1:])
+    drawn = Counter(q.kind for i in range(200)
+                    for q in scenes.multi_picture_sample("train", 0, i, 8, 1, batches[2].kinds).questions)
+    assert drawn["which_picture"] > 2 * drawn["picture_colour"], drawn
+    with pytest.raises(ValueError, match="unknown question kind 'which'"):
+        decoder.weighted_batches({"which": 2})
+    with pytest.raises(ValueError, match="must be a whole number >= 1, got 0"):
+        decoder.weighted_batches({"which_picture": 0})
