@@ -205,19 +205,25 @@ _FINITE_BLOCK = 1 << 18  # elements checked at once: the check's temporaries sta
 
 
 def all_finite(a: np.ndarray) -> bool:
-    """No NaN or inf in `a`, checked block by block on every core. A 16-bit float is read as its bits
-    (all exponent bits set: NaN or inf), ~10x faster than NumPy's isfinite on float16 and bfloat16,
-    which convert every element."""
-    if a.dtype.kind not in "fc":
+    """No NaN or inf in `a`, checked block by block on every core. A 16-bit float is read as its bits:
+    it is NaN or inf when its magnitude bits (sign cleared) reach all exponent bits set, so one masked
+    copy into a reused buffer and one max per block do it, ~10x faster than NumPy's isfinite on
+    float16 and bfloat16, which convert every element."""
+    bits = _EXPONENT_BITS.get(a.dtype)
+    if bits is None and a.dtype.kind not in "fc":  # bfloat16's kind is "V": it is known by its bits
         return True
     flat = a.reshape(-1)
-    bits = _EXPONENT_BITS.get(a.dtype)
 
     def finite(starts) -> bool:
+        magnitude = np.empty(min(_FINITE_BLOCK, flat.size), np.uint16)
         for start in starts:
             block = flat[start:start + _FINITE_BLOCK]
-            if (bits is None and not np.isfinite(block).all()) or (
-                    bits is not None and ((block.view(np.uint16) & bits) == bits).any()):
+            if bits is None:
+                if not np.isfinite(block).all():
+                    return False
+                continue
+            out = magnitude[:block.size]
+            if np.bitwise_and(block.view(np.uint16), 0x7FFF, out=out).max() >= bits:
                 return False
         return True
 

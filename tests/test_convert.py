@@ -105,6 +105,26 @@ def test_a_tensor_with_nan_or_inf_is_named(checkpoint, tmp_path, value):
         lookm_jax.load(str(tmp_path))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_all_finite_reads_every_block_and_both_signs(dtype):
+    """`tables.all_finite` on a tensor of several blocks: the extremes and subnormals pass, and NaN or
+    inf of either sign is found wherever it sits (first block, a later one, the last element)."""
+    import ml_dtypes
+
+    from lookm_jax.convert import tables
+
+    np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    info = ml_dtypes.finfo(np_dtype)
+    a = np.random.default_rng(0).standard_normal(3 * tables._FINITE_BLOCK + 6).astype(np_dtype)
+    a[:4] = [info.max, -info.max, info.smallest_subnormal, -info.smallest_subnormal]
+    assert tables.all_finite(a.reshape(-1, 6))
+    for where in (7, 2 * tables._FINITE_BLOCK + 1, a.size - 1):
+        for bad in (np.inf, -np.inf, np.nan, -np.nan):
+            b = a.copy()
+            b[where] = bad
+            assert not tables.all_finite(b), (where, bad)
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda c: c["text_config"].update(sliding_window=128), r"unsupported config field\(s\) \['sliding_window'\]"),
     (lambda c: c["text_config"].update(attention_bias=True), "attention_bias=True"),
