@@ -97,16 +97,37 @@ def row_candidates(valid_row, is_image_row, m_b, n_sink):
     return idx, recent, rest, sinks, pool, [j for j in pool if is_image_row[j]]
 
 
-def reserved_images(head_scores, pool, image_pool, quota, n_b):
+def picture_of(is_image_row):
+    """{position: its picture} for every image token: pictures are runs of consecutive image tokens,
+    numbered from 1 in reading order."""
+    pictures, number = {}, 0
+    for j, image in enumerate(is_image_row):
+        if image:
+            number += j == 0 or not is_image_row[j - 1]
+            pictures[j] = number
+    return pictures
+
+
+def reserved_images(head_scores, pool, image_pool, quota, n_b, pictures=None):
     """The image quota's reserved slots of one head: its best image tokens of the pool (ties: lower
-    position); none without a quota."""
+    position); none without a quota. pictures ({position: picture}, picture balance): taken in
+    rounds, each picture's best of the pool, then each one's second best, ... (a round by score)."""
     if quota is None:
         return []
     count = image_quota_count(quota, n_b, len(pool), len(image_pool))
-    return sorted(image_pool, key=lambda j: (-float(head_scores[j]), j))[:count]
+    best_first = sorted(image_pool, key=lambda j: (-float(head_scores[j]), j))
+    if pictures is None:
+        return best_first[:count]
+    seen = {}
+    round_of = {}
+    for j in best_first:  # a picture's t-th best is in round t
+        round_of[j] = seen.get(pictures[j], 0)
+        seen[pictures[j]] = round_of[j] + 1
+    return sorted(best_first, key=lambda j: (round_of[j], -float(head_scores[j]), j))[:count]
 
 
-def adaptive_ranked(scores, valid, is_image, m, n, *, groups, head_floor, text_prior, n_sink=0, image_quota=None):
+def adaptive_ranked(scores, valid, is_image, m, n, *, groups, head_floor, text_prior, n_sink=0, image_quota=None,
+                    picture_balance=False):
     """AdaKV: {(b, h): ranked slots of head h}. Per row and group of heads, each head first gets its
     F = min(floor(head_floor N), C) best candidates (C outside the recent window), then the group's
     H_g (min(N, C) - F) remaining slots go to the best of all its heads' other candidates, ranked by
@@ -120,7 +141,8 @@ def adaptive_ranked(scores, valid, is_image, m, n, *, groups, head_floor, text_p
         for g in range(groups):
             entries = []
             for h in range(g * hg, (g + 1) * hg):
-                reserved = reserved_images(scores[b, h], pool, image_pool, image_quota, n[b])
+                reserved = reserved_images(scores[b, h], pool, image_pool, image_quota, n[b],
+                                           picture_of(is_image[b]) if picture_balance else None)
 
                 def key(j, h=h, reserved=reserved):
                     cls = 3 if j in sinks else 2 if j in reserved else 1 if text_prior and not is_image[b, j] else 0
@@ -134,7 +156,7 @@ def adaptive_ranked(scores, valid, is_image, m, n, *, groups, head_floor, text_p
 
 
 def select(scores, valid, is_image, m, n, *, text_prior, n_sink=0, keep_all_text=False, image_quota=None,
-           head_n=None):
+           picture_balance=False, head_n=None):
     """Eq. 5-8 for every (b, h): sorted kept positions (recent M + top N; ties: lower position).
     With an image quota, the best floor(q N) image tokens outside the window and the sinks rank
     right after the sinks, above every text token. head_n: {(b, h): N of the head} (AdaKV) instead of N."""
@@ -144,7 +166,8 @@ def select(scores, valid, is_image, m, n, *, text_prior, n_sink=0, keep_all_text
         idx, recent, rest, sinks, pool, image_pool = row_candidates(valid[b], is_image[b], m[b], n_sink)
         for h in range(h_):
             a = {j: float(scores[b, h, j]) for j in idx}
-            reserved = reserved_images(scores[b, h], pool, image_pool, image_quota, n[b])
+            reserved = reserved_images(scores[b, h], pool, image_pool, image_quota, n[b],
+                                       picture_of(is_image[b]) if picture_balance else None)
             if text_prior:  # eq. 5
                 top = max(a.values())
                 a = {j: s + top if not is_image[b, j] else s for j, s in a.items()}
@@ -272,10 +295,11 @@ def run_method(name, params, q, k, v, is_image, valid, layer=None):
     if params.get("head_split", "adaptive" if name == "adakv" else "uniform") == "adaptive":
         head_n = adaptive_ranked(scores, valid, is_image, m, n, groups=params.get("head_groups") or 1,
                                  head_floor=params.get("head_floor", 0.2), text_prior=text_prior, n_sink=n_sink,
-                                 image_quota=params.get("image_quota"))
+                                 image_quota=params.get("image_quota"),
+                                 picture_balance=params.get("picture_balance", False))
     kept = select(scores, valid, is_image, m, n, text_prior=text_prior, n_sink=n_sink,
                   keep_all_text=params.get("keep_all_text", False), image_quota=params.get("image_quota"),
-                  head_n=head_n)
+                  picture_balance=params.get("picture_balance", False), head_n=head_n)
     if mode is None:
         return {key: (pos, k[key[0], key[1], pos], v[key[0], key[1], pos]) for key, pos in kept.items()}
     same = params.get("merge_scope", "any") == "same_modality"

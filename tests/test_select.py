@@ -12,6 +12,8 @@ from hypothesis import given, settings
 
 import reference_lookm as ref
 from lookm_jax import compress_kv
+from lookm_jax.compression.compress import SelectionSpec
+from lookm_jax.errors import InputError
 
 B, H, L, D, S = 3, 2, 24, 8, 16
 
@@ -124,6 +126,61 @@ def test_image_quota_matches_reference(image_quota, text_prior, n_sink):
                       text_prior=text_prior, n_sink=n_sink, image_quota=image_quota)
     kept = ref.select(scores, valid, is_image, m, n, text_prior=text_prior, n_sink=n_sink, image_quota=image_quota)
     ref.check_against(out, {bh: (p, k[bh[0], bh[1], p], v[bh[0], bh[1], p]) for bh, p in kept.items()}, atol=0)
+
+
+@pytest.mark.parametrize("image_quota", [0.5, "proportional"])
+@pytest.mark.parametrize("text_prior,n_sink", [(True, 0), (True, 2), (False, 0)])
+def test_picture_balance_matches_reference(image_quota, text_prior, n_sink):
+    """Random image masks: many pictures of 1-6 tokens, some cut by the recent window."""
+    k, v, scores, is_image, valid = _case(4, [24, 21, 9])
+    m, n = [3, 2, 1], [9, 7, 4]
+    out = compress_kv(jnp.asarray(k), jnp.asarray(v), jnp.asarray(scores), is_image=jnp.asarray(is_image),
+                      valid=jnp.asarray(valid), n_recent=np.array(m), n_important=np.array(n),
+                      text_prior=text_prior, n_sink=n_sink, image_quota=image_quota, picture_balance=True)
+    kept = ref.select(scores, valid, is_image, m, n, text_prior=text_prior, n_sink=n_sink, image_quota=image_quota,
+                      picture_balance=True)
+    ref.check_against(out, {bh: (p, k[bh[0], bh[1], p], v[bh[0], bh[1], p]) for bh, p in kept.items()}, atol=0)
+
+
+def test_picture_ids_number_runs_of_image_tokens():
+    from lookm_jax.compression.select import picture_ids
+
+    is_image = np.array([[0, 1, 1, 0, 1, 0, 0, 1, 1, 1], [1, 1, 0, 0, 0, 0, 0, 0, 1, 0]], bool)
+    np.testing.assert_array_equal(picture_ids(jnp.asarray(is_image)),
+                                  [[0, 1, 1, 0, 2, 0, 0, 3, 3, 3], [1, 1, 0, 0, 0, 0, 0, 0, 2, 0]])
+    with pytest.raises(InputError, match="picture_balance needs an image_quota"):
+        SelectionSpec(picture_balance=True)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), sizes=st.lists(st.integers(1, 5), min_size=2, max_size=5),
+       n=st.integers(0, 12), quota=st.sampled_from([0.5, 1.0, "proportional"]))
+def test_picture_balance_shares_the_quota_evenly(seed, sizes, n, quota):
+    """Pictures of `sizes` tokens, one text token before each: under text-prior, while the text takes
+    every ranked slot the quota leaves, the kept image tokens of every head are the quota's and differ
+    by at most one between two pictures, unless the one with fewer has nothing left to keep."""
+    is_row = [flag for size in sizes for flag in [False] + [True] * size]
+    length = len(is_row)
+    rng = np.random.default_rng(seed)
+    is_image = np.array([is_row], bool)
+    valid = np.ones((1, length), bool)
+    k, v = rng.normal(size=(2, 1, H, length, D))
+    scores = rng.random((1, H, length)) + np.linspace(2, 0, length)  # early tokens first, as accumulated attention
+    out = compress_kv(jnp.asarray(k), jnp.asarray(v), jnp.asarray(scores), is_image=jnp.asarray(is_image),
+                      valid=jnp.asarray(valid), n_recent=0, n_important=n, text_prior=True, image_quota=quota,
+                      picture_balance=True)
+    pictures = ref.picture_of(is_row)
+    images = len(pictures)
+    reserved = ref.image_quota_count(quota, n, length, images)
+    if n - min(reserved, images) > len(sizes):  # slots left after the text: images beyond the quota, unbalanced
+        return
+    for h in range(H):
+        kept = set(np.asarray(out.positions)[0, h][np.asarray(out.mask)[0, h]])
+        per_picture = [sum(1 for j in kept if pictures.get(j) == p) for p in range(1, len(sizes) + 1)]
+        assert sum(per_picture) == min(reserved, images), (per_picture, reserved)
+        for a, size_a in zip(per_picture, sizes):
+            for b in per_picture:
+                assert a >= b - 1 or a == size_a, (per_picture, sizes)
 
 
 @settings(max_examples=15, deadline=None)

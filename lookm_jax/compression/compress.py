@@ -62,6 +62,8 @@ class SelectionSpec:
       slot of its own modality (`lookm_jax.compression.merge`).
     size_aware: each kept slot carries log(prompt tokens merged into it), added to its attention
       logit at every later query (`lookm_jax.compression.merge`). Needs merge.
+    picture_balance: the image quota's slots go round-robin across the prompt's pictures, each
+      picture's best first (`lookm_jax.compression.select`). Needs image_quota.
     """
 
     text_prior: bool = False
@@ -72,10 +74,12 @@ class SelectionSpec:
     image_quota: float | str | None = None
     merge_scope: str = "any"
     size_aware: bool = False
+    picture_balance: bool = False
 
     def __post_init__(self):
         flags = {"text_prior": self.text_prior, "similarity_filter": self.similarity_filter,
-                 "keep_all_text": self.keep_all_text, "size_aware": self.size_aware}
+                 "keep_all_text": self.keep_all_text, "size_aware": self.size_aware,
+                 "picture_balance": self.picture_balance}
         not_bool = {name: value for name, value in flags.items() if not isinstance(value, (bool, np.bool_))}
         if not_bool:
             raise InputError(f"{', '.join(not_bool)} must be True or False, got {not_bool}")
@@ -99,6 +103,8 @@ class SelectionSpec:
             raise InputError(f"merge_scope {self.merge_scope!r} needs a merge mode and no similarity_filter")
         if self.size_aware and self.merge is None:
             raise InputError("size_aware needs a merge mode (without merging every slot holds one token)")
+        if self.picture_balance and quota is None:
+            raise InputError("picture_balance needs an image_quota (it shares the quota's slots among the pictures)")
 
 
 def _static_capacity(n_recent, n_important, length: int) -> int:
@@ -126,6 +132,7 @@ def compress_kv(
     image_quota: float | str | None = None,
     merge_scope: str = "any",
     size_aware: bool = False,
+    picture_balance: bool = False,
     capacity: int | None = None,
     block: int = 128,
     head_groups: int | None = None,
@@ -151,7 +158,8 @@ def compress_kv(
       keep_all_text: keep every text token even when they exceed N (authors' code); the cache
         then overruns M + N, so give ``capacity`` (S_max); rows beyond it are truncated by rank.
         Requires ``text_prior``. Default off.
-      image_quota, merge_scope, size_aware: see ``SelectionSpec``. Default off / "any" / off (the paper's).
+      image_quota, merge_scope, size_aware, picture_balance: see ``SelectionSpec``. Default off / "any" /
+        off / off (the paper's).
       capacity: static S. Default: max over rows of M + N (needs concrete M, N), clipped to L.
       block: static token block of the similarity scan.
       head_groups: None (every head keeps M + N) or G, AdaKV's head-adaptive allocation within each
@@ -163,7 +171,7 @@ def compress_kv(
     capacity, block and the selection spec's fields.
     """
     SelectionSpec(text_prior, merge, n_sink, similarity_filter, keep_all_text, image_quota, merge_scope,
-                  size_aware)  # validates
+                  size_aware, picture_balance)  # validates
     b, _, length, _ = keys.shape
     if capacity is None:
         capacity = _static_capacity(n_recent, n_important, length)
@@ -173,19 +181,20 @@ def compress_kv(
         keys, values, scores, is_image, valid, n_recent, n_important,
         capacity=int(capacity), text_prior=text_prior, merge=merge, n_sink=n_sink,
         similarity_filter=similarity_filter, keep_all_text=keep_all_text, image_quota=image_quota,
-        merge_scope=merge_scope, size_aware=size_aware, block=block, head_groups=head_groups,
-        head_floor=head_floor,
+        merge_scope=merge_scope, size_aware=size_aware, picture_balance=picture_balance, block=block,
+        head_groups=head_groups, head_floor=head_floor,
     )
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("capacity", "text_prior", "merge", "n_sink", "similarity_filter", "keep_all_text",
-                     "image_quota", "merge_scope", "size_aware", "block", "head_groups", "head_floor"),
+                     "image_quota", "merge_scope", "size_aware", "picture_balance", "block", "head_groups",
+                     "head_floor"),
 )
 def _compress(keys, values, scores, is_image, valid, n_recent, n_important, *, capacity, text_prior, merge,
-              n_sink, similarity_filter, keep_all_text, image_quota, merge_scope, size_aware, block, head_groups,
-              head_floor) -> CompressedKV:
+              n_sink, similarity_filter, keep_all_text, image_quota, merge_scope, size_aware, picture_balance, block,
+              head_groups, head_floor) -> CompressedKV:
     b, h, length, _ = keys.shape
     head_slots, per_head_capacity = None, capacity
     if head_groups is not None:
@@ -194,12 +203,12 @@ def _compress(keys, values, scores, is_image, valid, n_recent, n_important, *, c
                              f"got keep_all_text={keep_all_text}, {head_groups} groups")
         head_slots = adaptive_head_slots(scores, valid, is_image, n_recent, n_important, groups=head_groups,
                                          head_floor=head_floor, text_prior=text_prior, n_sink=n_sink,
-                                         image_quota=image_quota)  # [B, Hkv]
+                                         image_quota=image_quota, picture_balance=picture_balance)  # [B, Hkv]
         per_head_capacity = min(length, h // head_groups * capacity)  # a head may take its group's whole budget
     sel = select_slots(
         scores, valid, is_image, n_recent, n_important,
         capacity=per_head_capacity, text_prior=text_prior, n_sink=n_sink, keep_all_text=keep_all_text,
-        image_quota=image_quota, head_slots=head_slots,
+        image_quota=image_quota, picture_balance=picture_balance, head_slots=head_slots,
     )
     idx = sel.indices[..., None]  # [B, Hkv, S, 1]
     occupied = sel.mask[..., None]

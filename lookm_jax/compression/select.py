@@ -18,7 +18,11 @@ tiny scores and turn them into ties.
 An image quota (not in the paper) reserves floor(q * N_b) of the ranked slots for the best-scored
 image tokens outside the window and the sinks (per head), so text-prior cannot spend the whole
 budget on text: q is a fixed fraction, or "proportional", the image tokens' share of those
-candidates. The rest of N is ranked as before.
+candidates. The rest of N is ranked as before. With ``picture_balance`` the reserved slots go
+round-robin across the prompt's pictures (contiguous runs of image tokens): every picture's best
+pool token first (by score, then position), then every picture's second best, and so on. Accumulated
+attention favours early tokens (more queries see them), so without it the first pictures take most
+of the quota and the last ones keep none (docs/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -66,16 +70,48 @@ def image_quota_slots(quota: float | str, n_important: jax.Array, pool: jax.Arra
     return jnp.asarray(table)[jnp.clip(n_important, 0, pool.shape[-1])]
 
 
+def _ranks(order: jax.Array) -> jax.Array:
+    """[B, H, L] sorted order (positions) -> each position's rank in it."""
+    l = order.shape[-1]
+    return per_head(lambda o: jnp.zeros(l, jnp.int32).at[o].set(jnp.arange(l, dtype=jnp.int32)))(order)
+
+
 def within_group_rank(scores: jax.Array, member: jax.Array) -> jax.Array:
     """[B, H, L] int32 rank of each member token among its row's members by score (0 = best; ties:
     lower position first); non-members rank after every member. member: [B, H, L] bool."""
     b, h, l = scores.shape
     pos = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, h, l))
     _, _, order = lax.sort(((~member).astype(jnp.int32), -scores.astype(jnp.float32), pos), num_keys=3)
-    return per_head(lambda o: jnp.zeros(l, jnp.int32).at[o].set(jnp.arange(l, dtype=jnp.int32)))(order)
+    return _ranks(order)
 
 
-def _classes(scores, valid, is_image, n_recent, n_important, *, text_prior, n_sink, image_quota):
+def picture_ids(is_image: jax.Array) -> jax.Array:
+    """[B, L] int32: each image token's picture, numbered 1, 2, ... by contiguous runs of image tokens
+    in the row; 0 for text and padding."""
+    starts = is_image & ~jnp.pad(is_image[:, :-1], ((0, 0), (1, 0)))
+    return jnp.where(is_image, jnp.cumsum(starts, -1, dtype=jnp.int32), 0)
+
+
+def round_robin_rank(scores: jax.Array, member: jax.Array, group: jax.Array) -> jax.Array:
+    """[B, H, L] int32 rank of each member when members are taken round-robin across groups: every
+    group's best (by score, ties: lower position), then every group's second best, ...; within a round
+    by score, then position. Non-members rank after every member. member: [B, H, L] bool; group:
+    [B, L] int."""
+    b, h, l = scores.shape
+    pos = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, h, l))
+    outside = (~member).astype(jnp.int32)
+    neg_score = -scores.astype(jnp.float32)
+    groups = jnp.broadcast_to(group[:, None, :], (b, h, l))
+    _, sorted_group, _, order = lax.sort((outside, groups, neg_score, pos), num_keys=4)  # by group, then score
+    index = jnp.arange(l, dtype=jnp.int32)
+    first = jnp.concatenate([jnp.ones((b, h, 1), bool), sorted_group[..., 1:] != sorted_group[..., :-1]], -1)
+    start = lax.cummax(jnp.where(first, index, 0), axis=2)  # where each sorted group begins
+    within = jnp.take_along_axis(index - start, _ranks(order), axis=-1)  # [B, H, L] rank inside its group
+    _, _, _, order = lax.sort((outside, within, neg_score, pos), num_keys=4)
+    return _ranks(order)
+
+
+def _classes(scores, valid, is_image, n_recent, n_important, *, text_prior, n_sink, image_quota, picture_balance):
     """Rank classes [B, H, L] int32 (4 recent, 3 sink, 2 image-quota, 1 text-prior text, 0 other, -1
     padding) and the sink mask [B, L] (module docstring)."""
     b, h, l = scores.shape
@@ -87,8 +123,9 @@ def _classes(scores, valid, is_image, n_recent, n_important, *, text_prior, n_si
     if image_quota is not None:
         pool = valid & ~recent & ~sink  # [B, L] the ranked candidates
         image_pool = jnp.broadcast_to((pool & is_image)[:, None, :], (b, h, l))
-        reserved = within_group_rank(scores, image_pool) < image_quota_slots(
-            image_quota, n_important, pool, pool & is_image)[:, None, None]
+        rank = (round_robin_rank(scores, image_pool, picture_ids(is_image)) if picture_balance
+                else within_group_rank(scores, image_pool))
+        reserved = rank < image_quota_slots(image_quota, n_important, pool, pool & is_image)[:, None, None]
         cls = jnp.where(image_pool & reserved, 2, cls)  # [B, H, L]
     return cls, sink
 
@@ -110,6 +147,7 @@ def adaptive_head_slots(
     text_prior: bool,
     n_sink: int = 0,
     image_quota: float | str | None = None,
+    picture_balance: bool = False,
 ) -> jax.Array:
     """AdaKV's allocation (Feng et al. 2024): each head's ranked slots [B, H] int32.
 
@@ -123,7 +161,7 @@ def adaptive_head_slots(
     b, h, l = scores.shape
     hg = h // groups
     cls, sink = _classes(scores, valid, is_image, n_recent, n_important, text_prior=text_prior, n_sink=n_sink,
-                         image_quota=image_quota)
+                         image_quota=image_quota, picture_balance=picture_balance)
     neg_cls, neg_score = _rank_keys(scores, cls, sink)
     pos = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, h, l))
     _, _, order = lax.sort((neg_cls, neg_score, pos), num_keys=3)
@@ -160,6 +198,7 @@ def select_slots(
     n_sink: int = 0,
     keep_all_text: bool = False,
     image_quota: float | str | None = None,
+    picture_balance: bool = False,
     head_slots: jax.Array | None = None,
 ) -> Selection:
     """Choose the kept slots of every head (pure; traceable).
@@ -176,13 +215,14 @@ def select_slots(
         row keeps M + max(N, #sink-or-text tokens outside the window), truncated to S.
       image_quota: static; None, a fraction in [0, 1] or PROPORTIONAL: ranked slots reserved for
         the best image tokens of each head (module docstring), floor(q N_b) of the row's N_b.
+      picture_balance: static; the quota's slots go round-robin across pictures (module docstring).
       head_slots: [B, H] int, each head's own ranked slots instead of N_b (`adaptive_head_slots`);
         None: N_b in every head.
     """
     b, h, l = scores.shape
     pos = jnp.arange(l, dtype=jnp.int32)
     cls, sink = _classes(scores, valid, is_image, n_recent, n_important, text_prior=text_prior, n_sink=n_sink,
-                         image_quota=image_quota)
+                         image_quota=image_quota, picture_balance=picture_balance)
     neg_cls, neg_score = _rank_keys(scores, cls, sink)
     _, _, order = lax.sort((neg_cls, neg_score, jnp.broadcast_to(pos, (b, h, l))), num_keys=3)
 
