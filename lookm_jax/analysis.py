@@ -78,6 +78,32 @@ def modality_summary(received: np.ndarray, is_image: np.ndarray) -> dict:
             "text_per_query": _mean(per_query[:, text]), "image_token_share": float(is_image.mean())}
 
 
+def _prefill_and_compress(model, input_ids, pixel_values, attention_mask, method):
+    """(prefilled states, the cache `method` compresses them to) for one right-padded batch."""
+    prompt = inputs.prepare(model, input_ids, pixel_values, attention_mask, 1, [method])
+    bucket = prompt.ids.shape[1]
+    prefilled = gen.prefill_states(model.config, model.params, jnp.asarray(prompt.ids), jnp.asarray(prompt.valid),
+                                   prompt.pixel_values, jax.random.key(0), statistics=method.statistics,
+                                   window=gen.query_window(method, bucket), sampling=gen.Sampling())
+    return prefilled, gen.compress_prefilled(prefilled, method=method, max_new_tokens=1)
+
+
+def kept_per_picture(model, input_ids, pixel_values, attention_mask, method) -> np.ndarray:
+    """How many slots of each picture a scoring `method` keeps, for one right-padded batch: [N, B, Hkv,
+    P] int, P the most pictures of a row (runs of image tokens, `compression.select.picture_ids`),
+    counted per layer, row and KV head; 0 for a row's missing pictures. Uniform-head layouts only."""
+    from lookm_jax.compression.select import picture_ids
+
+    if getattr(method, "head_split", "uniform") != "uniform":
+        raise ValueError(f"kept_per_picture reads per-head slots; {method} pools its heads (head_split='adaptive')")
+    prefilled, cache = _prefill_and_compress(model, input_ids, pixel_values, attention_mask, method)
+    positions = np.asarray(cache.positions[..., :-1])  # [N, B, Hkv, S]: the prompt's slots (the last is decode's)
+    pictures = np.asarray(picture_ids(prefilled.is_image & prefilled.valid))  # [B, L]
+    rows = np.arange(positions.shape[1])[None, :, None, None]
+    kept_picture = np.where(positions >= 0, pictures[rows, np.maximum(positions, 0)], 0)  # [N, B, Hkv, S]
+    return (kept_picture[..., None] == np.arange(1, int(pictures.max()) + 1)).sum(-2)
+
+
 def merge_traffic(model, input_ids, pixel_values, attention_mask, method) -> dict:
     """Where a merging LOOK-M `method` folds the evicted pairs of one right-padded batch.
 
@@ -95,12 +121,8 @@ def merge_traffic(model, input_ids, pixel_values, attention_mask, method) -> dic
 
     if getattr(method, "merge", None) is None:
         raise ValueError(f"merge_traffic needs a merging LOOK-M method, got {method}")
-    prompt = inputs.prepare(model, input_ids, pixel_values, attention_mask, 1, [method])
-    bucket = prompt.ids.shape[1]
-    prefilled = gen.prefill_states(model.config, model.params, jnp.asarray(prompt.ids), jnp.asarray(prompt.valid),
-                                   prompt.pixel_values, jax.random.key(0), statistics=method.statistics,
-                                   window=gen.query_window(method, bucket), sampling=gen.Sampling())
-    cache = gen.compress_prefilled(prefilled, method=dataclasses.replace(method, merge=None), max_new_tokens=1)
+    prefilled, cache = _prefill_and_compress(model, input_ids, pixel_values, attention_mask,
+                                             dataclasses.replace(method, merge=None))
     positions = cache.positions[..., :-1]  # [N, B, Hkv, S]: the prompt's slots (the last is decode's)
     kept_keys = cache.keys[..., :-1, :]
     target, cos = jax.vmap(functools.partial(merge.assign, block=128))(prefilled.keys, kept_keys, positions >= 0)

@@ -26,6 +26,8 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("sizes.py", ["--budgets", "0.2", "1.5"], "argument --budgets: budget must be a fraction in (0, 1], got 1.5"),
     ("merge_analysis.py", ["--pictures", "1"], "--pictures must be in [2, 16], got 1"),
     ("merge_analysis.py", ["--budgets", "nan"], "argument --budgets: budget must be a fraction in (0, 1], got nan"),
+    ("picture_coverage.py", ["--pictures", "1"], "--pictures must be in [2, 16], got 1"),
+    ("picture_coverage.py", ["--methods", "lookm_quota:picture_balance=True", "bogus"], "--methods: "),
     ("peers_kvpress.py", ["--seed", "-1"], "argument --seed: must be an integer in [0, 4294967295], got -1"),
     ("ask_cpu.py", ["--question-tokens", "0"], "argument --question-tokens: must be an integer >= 1, got 0"),
     ("ask_cpu.py", ["--budget", "1.5"], "argument --budget: budget must be a fraction in (0, 1], got 1.5"),

@@ -335,6 +335,34 @@ def test_merge_traffic_accounts_for_every_evicted_pair(tiny):
         analysis.merge_traffic(tiny, ids, pixels, np.ones(ids.shape, bool), get_method("lookm", budget=0.2, merge=None))
 
 
+def test_kept_per_picture_counts_every_kept_image_slot(tiny):
+    """Two pictures between text: per layer, row and head the pictures' counts add up to the kept
+    image slots, and with picture balance the quota's slots split evenly between them."""
+    import chex
+    import jax.numpy as jnp
+
+    from conftest import image_ids
+    from lookm_jax import analysis, get_method
+
+    per_image = tiny.config.image_seq_length
+    ids = image_ids(per_image, [3, 4, "img", 5, 6, 7, "img", 8, 9, 10, 11])[None]
+    pixels = np.random.default_rng(0).standard_normal((2, 3, 30, 30)).astype(np.float32)
+    valid = np.ones(ids.shape, bool)
+    method = get_method("lookm_quota", budget=0.5, picture_balance=True)
+    kept = analysis.kept_per_picture(tiny, ids, pixels, valid, method)  # [N, 1, Hkv, 2]
+    n_recent, n_important = (int(x[0]) for x in method.budgets(jnp.asarray(valid)))
+    is_image = ids[0] == tiny.config.image_token_id
+    window_images = int(is_image[-n_recent:].sum())  # kept by the recent window: picture 2's last tokens
+    candidates, images = ids.shape[1] - n_recent, int(is_image[:-n_recent].sum())
+    reserved = n_important * images // candidates
+    assert reserved + int((~is_image[:-n_recent]).sum()) >= n_important  # text takes the rest: only the quota keeps images
+    chex.assert_shape(kept, (tiny.config.text.num_layers, 1, tiny.config.text.num_kv_heads, 2))
+    assert (kept.sum(-1) == reserved + window_images).all(), kept
+    assert (np.abs(kept[..., 0] - (kept[..., 1] - window_images)) <= 1).all(), kept
+    with pytest.raises(ValueError, match="pools its heads"):
+        analysis.kept_per_picture(tiny, ids, pixels, valid, get_method("adakv", budget=0.5))
+
+
 @pytest.mark.slow
 def test_decoder_ceiling_bench_describes_scenes_and_scores_content(tmp_path):
     """bench/decoder_ceiling.py: the words it gives the decoder are the scene's, its content scorer reads the
