@@ -118,27 +118,16 @@ def test_capacity_defaults_to_max_budget_and_needs_concrete_budgets():
 
 @pytest.mark.parametrize("image_quota", [0.0, 0.5, 1.0, "proportional"])
 @pytest.mark.parametrize("text_prior,n_sink", [(True, 0), (True, 2), (False, 0)])
-def test_image_quota_matches_reference(image_quota, text_prior, n_sink):
+@pytest.mark.parametrize("picture_balance", [False, True])
+def test_image_quota_matches_reference(image_quota, text_prior, n_sink, picture_balance):
+    """Random image masks: with picture balance, many pictures of 1-6 tokens, some cut by the window."""
     k, v, scores, is_image, valid = _case(3, [24, 19, 7])
     m, n = [3, 2, 1], [8, 6, 3]
     out = compress_kv(jnp.asarray(k), jnp.asarray(v), jnp.asarray(scores), is_image=jnp.asarray(is_image),
                       valid=jnp.asarray(valid), n_recent=np.array(m), n_important=np.array(n),
-                      text_prior=text_prior, n_sink=n_sink, image_quota=image_quota)
-    kept = ref.select(scores, valid, is_image, m, n, text_prior=text_prior, n_sink=n_sink, image_quota=image_quota)
-    ref.check_against(out, {bh: (p, k[bh[0], bh[1], p], v[bh[0], bh[1], p]) for bh, p in kept.items()}, atol=0)
-
-
-@pytest.mark.parametrize("image_quota", [0.5, "proportional"])
-@pytest.mark.parametrize("text_prior,n_sink", [(True, 0), (True, 2), (False, 0)])
-def test_picture_balance_matches_reference(image_quota, text_prior, n_sink):
-    """Random image masks: many pictures of 1-6 tokens, some cut by the recent window."""
-    k, v, scores, is_image, valid = _case(4, [24, 21, 9])
-    m, n = [3, 2, 1], [9, 7, 4]
-    out = compress_kv(jnp.asarray(k), jnp.asarray(v), jnp.asarray(scores), is_image=jnp.asarray(is_image),
-                      valid=jnp.asarray(valid), n_recent=np.array(m), n_important=np.array(n),
-                      text_prior=text_prior, n_sink=n_sink, image_quota=image_quota, picture_balance=True)
+                      text_prior=text_prior, n_sink=n_sink, image_quota=image_quota, picture_balance=picture_balance)
     kept = ref.select(scores, valid, is_image, m, n, text_prior=text_prior, n_sink=n_sink, image_quota=image_quota,
-                      picture_balance=True)
+                      picture_balance=picture_balance)
     ref.check_against(out, {bh: (p, k[bh[0], bh[1], p], v[bh[0], bh[1], p]) for bh, p in kept.items()}, atol=0)
 
 
