@@ -196,7 +196,9 @@ def test_paired_differences_over_the_questions_both_configs_answered():
     (["--tasks", "needle", "picture_colour", "needle"], "--tasks repeats needle: give each value once"),
     (["--budgets", "0.5", "0.5"], "--budgets repeats 0.5: give each value once"),
 ])
-def test_eval_scenes_refuses_bad_arguments_in_one_line(argv, message, tmp_path, capsys):
+def test_eval_scenes_refuses_bad_arguments_in_one_line(argv, message, tmp_path, capsys, demo):
+    """`demo` builds the cached demo first: the needle's check needs the model's tokenizer, and a first
+    build's progress bar would otherwise come before the one line (run alone, the test failed so)."""
     from lookm_jax.cli import main
 
     jsonl = tmp_path / "rows.jsonl"
