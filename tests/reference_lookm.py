@@ -137,12 +137,12 @@ def adaptive_ranked(scores, valid, is_image, m, n, *, groups, head_floor, text_p
     out = {}
     for b in range(b_):
         _, _, rest, sinks, pool, image_pool = row_candidates(valid[b], is_image[b], m[b], n_sink)
+        pictures = picture_of(is_image[b]) if picture_balance else None
         floor = min(math.floor(head_floor * n[b]), len(rest))
         for g in range(groups):
             entries = []
             for h in range(g * hg, (g + 1) * hg):
-                reserved = reserved_images(scores[b, h], pool, image_pool, image_quota, n[b],
-                                           picture_of(is_image[b]) if picture_balance else None)
+                reserved = reserved_images(scores[b, h], pool, image_pool, image_quota, n[b], pictures)
 
                 def key(j, h=h, reserved=reserved):
                     cls = 3 if j in sinks else 2 if j in reserved else 1 if text_prior and not is_image[b, j] else 0
@@ -164,10 +164,10 @@ def select(scores, valid, is_image, m, n, *, text_prior, n_sink=0, keep_all_text
     kept = {}
     for b in range(b_):
         idx, recent, rest, sinks, pool, image_pool = row_candidates(valid[b], is_image[b], m[b], n_sink)
+        pictures = picture_of(is_image[b]) if picture_balance else None
         for h in range(h_):
             a = {j: float(scores[b, h, j]) for j in idx}
-            reserved = reserved_images(scores[b, h], pool, image_pool, image_quota, n[b],
-                                       picture_of(is_image[b]) if picture_balance else None)
+            reserved = reserved_images(scores[b, h], pool, image_pool, image_quota, n[b], pictures)
             if text_prior:  # eq. 5
                 top = max(a.values())
                 a = {j: s + top if not is_image[b, j] else s for j, s in a.items()}

@@ -132,8 +132,8 @@ def initial_trainable(model, config: DecoderConfig) -> dict:
     if rank != config.rank:
         raise ValueError(f"--init {config.init}: its adapters have rank {rank}, this run's rank is {config.rank}")
     vision = loading.read_demo_vision(vision_path)
-    same_tower = jax.tree.structure(vision["vision"]) == jax.tree.structure(model.params["vision"]) and all(
-        np.array_equal(a, b) for a, b in zip(jax.tree.leaves(vision["vision"]), jax.tree.leaves(model.params["vision"])))
+    same_tower = jax.tree.structure(vision["vision"]) == jax.tree.structure(model.params["vision"]) and jax.tree.all(
+        jax.tree.map(np.array_equal, vision["vision"], model.params["vision"]))
     if not same_tower:
         raise ValueError(f"--init {config.init}: its projector was trained over another tower than the one this run uses")
     adapters = jax.tree.map(jnp.asarray, tuple({name: {"a": ad["a"], "b": ad["b"] / config.scale}

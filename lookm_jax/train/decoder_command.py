@@ -10,7 +10,6 @@ from lookm_jax.checks import check_output_folder
 from lookm_jax.cli_args import finite_float, int_at_least, path_arg, positive_float, seed_arg
 
 
-
 def kind_weight(text: str) -> tuple[str, int]:
     """argparse type of --kind-weight: "KIND=N" -> (KIND, N), N a whole number >= 1."""
     kind, _, weight = text.partition("=")
