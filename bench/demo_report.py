@@ -5,9 +5,10 @@
     python bench/demo_report.py --single 600 --combination 200 --json report.json
 
 Prints, for the candidate model (the shipped demo, or a stage-2 run's exported weights folded into it):
-- held-out single-picture questions (`eval.scenes.single_picture_accuracy`, the four kinds in turn)
-  and the held-out colour-shape combination (green triangles, never in training), scored on the
-  answer's first word;
+- held-out single-picture questions (`eval.scenes.single_picture_accuracy`, the four kinds in turn),
+  also by the number of objects in the picture and on the questions that must tell one object of
+  several from the others (colour, shape, side: "binding"), and the held-out colour-shape
+  combination (green triangles, never in training), scored on the answer's first word;
 - text only: the share of the first 32 greedy tokens equal to the frozen SmolLM2's on the held-out
   replay prompts (`train.replay`, none of which training reads), and the Paris question's answer.
 Multi-picture questions are `lookm eval scenes calibrate` (the full cache per task).
@@ -53,11 +54,16 @@ def main() -> None:
     paris = candidate.decode_text(candidate.generate(candidate.encode_chat("What is the capital of France?"),
                                                      max_new_tokens=16)[0])
     report = {"single_accuracy": single["accuracy"], "single_by_kind": single["by_kind"], "single_n": args.single,
+              "single_by_objects": single["by_objects"], "single_binding": single["binding"],
               "combination_accuracy": combination["accuracy"], "combination_n": args.combination,
               "text_agreement": agreement, "text_identical_share": exact, "text_prompts": len(prompts),
               "paris_answer": paris, "seconds": round(time.perf_counter() - start, 1)}
     print(f"single picture ({args.single} held-out): {single['accuracy']:.3f}; "
           + ", ".join(f"{k} {v:.3f}" for k, v in single["by_kind"].items()))
+    print("single picture by objects in it: " + ", ".join(f"{n} {v:.3f}" for n, v in single["by_objects"].items()))
+    if single["binding"] is not None:
+        print(f"colour, shape or side of one object of several: {single['binding']:.3f} (answering about a random "
+              "one of them: 1/2 with two objects, 1/3 with three)")
     print(f"held-out combination ({args.combination}): {combination['accuracy']:.3f}")
     print(f"text ({len(prompts)} held-out prompts): {agreement:.3f} of the first {replay.REPLAY_TOKENS} greedy tokens "
           f"equal to the frozen decoder's; {exact:.2f} of the prompts identical throughout")

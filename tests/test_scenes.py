@@ -299,14 +299,18 @@ def test_unreadable_rows_and_a_summary_over_its_rows_are_refused(tmp_path, capsy
 def test_shipped_tower_beats_chance_on_held_out_questions(demo):
     """60 held-out single-picture questions (15 per kind), greedy, full cache, against answering
     uniformly at random among each kind's answers. The issue's bar (>= 90%) is NOT met by the
-    shipped weights (80%: colour 73%, shape 80%, count 93%, position 73%; docs/RESULTS.md): this
-    guards what they do see, overall and in every kind."""
+    shipped weights (80%: colour 67%, shape 80%, count 100%, position 73%; docs/RESULTS.md): this
+    guards what they do see, overall, in every kind, and on pictures of one object (24 of 24
+    right); the misses are questions about one object of several (14 of 26 right, `binding`)."""
     result = bench.single_picture_accuracy(demo, "heldout", 60)
     options = {"colour": len(scenes.COLOURS), "shape": len(scenes.SHAPES), "count": scenes.MAX_OBJECTS, "position": 2}
     chance = sum(1 / options[k] for k in result["by_kind"]) / len(result["by_kind"])
-    print(f"held-out {result['accuracy']:.2f} {result['by_kind']} (chance {chance:.2f})")
+    print(f"held-out {result['accuracy']:.2f} {result['by_kind']} (chance {chance:.2f}) by objects "
+          f"{result['by_objects']}, binding {result['binding']:.2f}")
     assert result["accuracy"] >= chance + 0.30, result
     assert all(result["by_kind"][k] > 1 / options[k] for k in options), result
+    assert set(result["by_objects"]) == {1, 2, 3} and result["by_objects"][1] >= 0.9, result
+    assert 0 <= result["binding"] <= 1, result
 
 
 def test_merge_traffic_accounts_for_every_evicted_pair(tiny):

@@ -234,14 +234,24 @@ def ask(model, pictures: list | None, prompts: list[str], batch_size: int = 12, 
 
 
 def single_picture_accuracy(model, split: str = "heldout", n: int = 60, seed: int = 0) -> dict:
-    """{"accuracy", "by_kind": {kind: accuracy}, "rows": [(question, answer, output)]}."""
+    """{"accuracy", "by_kind": {kind: accuracy}, "by_objects": {objects in the picture: accuracy},
+    "binding": accuracy of the colour, shape and position questions about one object of several (None
+    without one), "rows": [(question, answer, output)]}. A model that reads a picture's objects but
+    not which is which answers single objects right and "binding" at chance (1/2 for two objects)."""
     items = held_out_questions(split, n, seed)
     outputs = ask(model, [s for s, _ in items], [q.text for _, q in items])
     correct = [first_word(o) == q.answer for (_, q), o in zip(items, outputs)]
-    by_kind: dict[str, list[bool]] = {}
-    for (_, q), c in zip(items, correct):
-        by_kind.setdefault(q.kind, []).append(c)
-    return {"accuracy": float(np.mean(correct)), "by_kind": {k: float(np.mean(v)) for k, v in by_kind.items()},
+
+    def mean_by(key) -> dict:
+        groups: dict = {}
+        for (scene, q), c in zip(items, correct):
+            groups.setdefault(key(scene, q), []).append(c)
+        return {k: float(np.mean(v)) for k, v in sorted(groups.items(), key=lambda kv: str(kv[0]))}
+
+    several = [c for (scene, q), c in zip(items, correct) if q.kind != "count" and len(scene.objects) > 1]
+    return {"accuracy": float(np.mean(correct)), "by_kind": mean_by(lambda _, q: q.kind),
+            "by_objects": mean_by(lambda scene, _: len(scene.objects)),
+            "binding": float(np.mean(several)) if several else None,
             "rows": [(q.text, q.answer, o) for (_, q), o in zip(items, outputs)]}
 
 
