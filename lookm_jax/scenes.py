@@ -66,6 +66,7 @@ class Question:
     text: str
     answer: str  # one lower-case word
     subject: int | None = None  # the object (or picture) index the question names or reveals
+    counted: tuple[int, ...] = ()  # count_pictures: the pictures its answer counts
 
 
 def answer_text(answer: str) -> str:
@@ -139,6 +140,26 @@ def draw_object(draw: ImageDraw.ImageDraw, o: SceneObject, size: int, fill) -> N
         draw.rectangle((x - s, y - s, x + s, y + s), fill=fill)
     else:
         draw.polygon([(x, y - r), (x + r, y + 0.8 * r), (x - r, y + 0.8 * r)], fill=fill)
+
+
+def patch_coverage(scene: Scene, size: int, patch: int) -> np.ndarray:
+    """[1 + objects, P], row-major over the (size // patch)^2 patches of the picture rendered at `size`:
+    the share of each patch's pixels showing the background (row 0) and each object (row i: object i,
+    1-based in `scene.objects` order, later objects over earlier ones as `render` draws them). Drawn
+    at twice the size with `render`'s geometry."""
+    big = 2 * size
+    ids = Image.new("L", (big, big), 0)
+    draw = ImageDraw.Draw(ids)
+    for i, o in enumerate(scene.objects, start=1):
+        draw_object(draw, o, big, i)
+    grid = np.asarray(ids).reshape(size // patch, 2 * patch, size // patch, 2 * patch).transpose(0, 2, 1, 3)
+    grid = grid.reshape(-1, (2 * patch) ** 2)
+    return np.stack([(grid == i).mean(-1) for i in range(len(scene.objects) + 1)])
+
+
+def patch_owner(scene: Scene, size: int, patch: int) -> np.ndarray:
+    """[P] int: the object (1-based) covering most of each patch, 0 for background (`patch_coverage`)."""
+    return patch_coverage(scene, size, patch).argmax(0)
 
 
 def _unique(scene: Scene, field: str) -> list[SceneObject]:
@@ -337,7 +358,8 @@ def multi_question(scenes: tuple[Scene, ...], rng: np.random.Generator, kind: st
         return Question(kind, text.format(colour=objects[i].colour, shape=objects[i].shape), f"picture {i + 1}", i)
     if kind == "count_pictures":
         shape = SHAPES[rng.integers(len(SHAPES))]
-        return Question(kind, text.format(shape=shape), NUMBERS[sum(o.shape == shape for o in objects)])
+        counted = tuple(i for i, o in enumerate(objects) if o.shape == shape)
+        return Question(kind, text.format(shape=shape), NUMBERS[len(counted)], counted=counted)
     raise ValueError(f"unknown question kind {kind!r}; expected one of {MULTI_KINDS}")
 
 

@@ -4,6 +4,7 @@ the exported adapters read back and fold into the demo's weights."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 
@@ -16,6 +17,7 @@ import pytest
 from lookm_jax.models import llama, llava
 from lookm_jax.train import adapters as lora
 from lookm_jax.train import decoder, replay
+from tests.conftest import IMAGE_TOKEN, tiny_llava
 from tests.test_train import _fixed_batch, tiny  # noqa: F401  (the tiny tied LLaVA fixture)
 
 
@@ -213,3 +215,156 @@ def test_kind_weights_draw_multi_picture_kinds_in_proportion():
         decoder.weighted_batches({"which": 2})
     with pytest.raises(ValueError, match="must be a whole number >= 1, got 0"):
         decoder.weighted_batches({"which_picture": 0})
+
+
+def _mostly(picture: np.ndarray, colour: tuple[int, int, int], patch: int) -> np.ndarray:
+    """[P] bool, row-major: a tenth or more of the patch's pixels are within 40 of `colour` (RGB): a patch
+    an object covers a quarter of qualifies, its blended edge pixels aside."""
+    near = np.abs(picture.astype(int) - np.asarray(colour)).max(-1) <= 40  # [S, S]
+    grid = picture.shape[0] // patch
+    return near.reshape(grid, patch, grid, patch).mean((1, 3)).reshape(-1) >= 0.1
+
+
+def test_answer_reads_name_the_patches_of_what_each_answer_is_about():
+    """Read off the rendered pictures: a single-picture answer reads patches of the named object's colour
+    (a count: of every object's), a multi-picture answer the object's patches of the picture it names or
+    reveals, a count of pictures the counted pictures, a text fact nothing."""
+    from lookm_jax import scenes
+    from lookm_jax.train.data import answer_reads
+
+    size, patch, tokens = 112, 14, 64
+    checked = set()
+    for i in range(40):
+        sample = scenes.single_picture_sample("train", 0, i, turns=3)
+        picture = np.asarray(scenes.render(sample.scene, size))
+        for q, read in zip(sample.questions, answer_reads(sample.questions, (sample.scene,), size, tokens)):
+            named = sample.scene.objects if q.kind == "count" else (sample.scene.objects[q.subject],)
+            coloured = np.logical_or.reduce([_mostly(picture, scenes.COLOURS[o.colour], patch) for o in named])
+            assert read.size and set(read) <= set(np.flatnonzero(coloured)), (i, q)
+            checked.add(q.kind)
+    for i in range(40):
+        sample = scenes.multi_picture_sample("train", 0, i, 6, turns=4, kinds=scenes.PICTURE_KINDS, text_fact=True)
+        reads = answer_reads(sample.questions, sample.scenes, size, tokens)
+        for q, read in zip(sample.questions, reads):
+            pictures = {q.subject} if q.subject is not None else set(q.counted)
+            assert set(read // tokens) == pictures, (i, q)
+            for k in pictures:
+                o = sample.scenes[k].objects[0]
+                mine = read[read // tokens == k] % tokens
+                assert mine.size and set(mine) <= set(np.flatnonzero(
+                    _mostly(np.asarray(scenes.render(sample.scenes[k], size)), scenes.COLOURS[o.colour], patch)))
+            checked.add(q.kind)
+    assert checked == set(scenes.KINDS) | set(scenes.PICTURE_KINDS) | {"text_fact"}
+    with pytest.raises(ValueError, match="not a patch grid"):
+        answer_reads(sample.questions, sample.scenes, size, 60)
+
+
+def test_a_batch_marks_each_answer_s_reads_among_its_image_placeholders():
+    from lookm_jax import loading, scenes
+    from lookm_jax.train.data import Encoder, answer_reads, single_picture_conversation
+
+    demo = loading.demo_model(decoder="frozen")
+    encoder = Encoder.of(demo)
+    for spec in decoder.DEFAULT_BATCHES[:2]:
+        batch = spec.make(encoder, "train", 0, 0, 112)
+        chex.assert_shape(batch.read_mask, (spec.batch_size, spec.max_targets, spec.length))
+        is_image = batch.ids == demo.config.image_token_id
+        assert not (batch.read_mask & ~is_image[:, None, :]).any()  # only image placeholders
+        assert not batch.read_mask[~batch.answer_start].any()  # only at an answer's first token
+        assert batch.read_mask.any(-1).sum() >= batch.answer_start.sum() // 2
+    sample = scenes.single_picture_sample("train", 0, 3, turns=2)
+    reads = answer_reads(sample.questions, (sample.scene,), 112, 64)
+    picture = [scenes.render(sample.scene, 112)]
+    with pytest.raises(ValueError, match="has 2 answers and 1 reads"):
+        encoder.batch([single_picture_conversation(sample)], picture, 160, 8, [reads[:1]])
+
+
+def _read_batch(model) -> dict:
+    """Two rows of text, a 25-token image, text; answers after the image, two of them reading a few of
+    its tokens and one reading none."""
+    rng = np.random.default_rng(2)
+    n_image, length = model.config.image_seq_length, 40
+    ids = np.concatenate([rng.integers(0, 200, (2, 4)), np.full((2, n_image), IMAGE_TOKEN),
+                          rng.integers(0, 200, (2, length - 4 - n_image))], axis=1).astype(np.int32)
+    positions = np.tile(np.array([31, 34, 38], np.int32), (2, 1))
+    read = np.zeros((2, 3, length), bool)
+    read[0, 0, [5, 9, 20]] = read[0, 2, [28]] = read[1, 1, 6:12] = True
+    first = np.ones((2, 3), bool)
+    return {"ids": ids, "valid": np.ones((2, length), bool), "target_positions": positions,
+            "targets": rng.integers(0, 200, (2, 3)).astype(np.int32), "target_mask": first, "answer_start": first,
+            "read_mask": read, "pixel_values": rng.standard_normal((2, *model.config.pixel_shape)).astype(np.float32)}
+
+
+def test_read_shares_are_the_attention_transformers_computes(tmp_path):
+    """Per layer, the heads' summed attention from each answer position on its read tokens over that on
+    every image token, against HF's eager attention probabilities (float64 sums)."""
+    import torch
+
+    import lookm_jax
+
+    hf = tiny_llava(tmp_path, heads=4, kv_heads=2, layers=3)
+    model = lookm_jax.load(str(tmp_path))
+    batch = _read_batch(model)
+    x, is_image = llava.embed(model.config, model.params, jnp.asarray(batch["ids"]), jnp.asarray(batch["pixel_values"]))
+    _, shares = jax.jit(lambda x: decoder.read_shares(model.config.text, model.params["text"], x, is_image,
+                                                      jax.tree.map(jnp.asarray, batch)))(x)
+    chex.assert_shape(shares, (3, 2, 3))
+    hf.set_attn_implementation("eager")
+    with torch.no_grad():
+        out = hf(input_ids=torch.as_tensor(batch["ids"], dtype=torch.long),
+                 pixel_values=torch.as_tensor(batch["pixel_values"]), output_attentions=True)
+    image = batch["ids"] == IMAGE_TOKEN
+    for n, attention in enumerate(out.attentions):
+        summed = attention.double().numpy().sum(1)  # [B, L, L], over heads
+        for b in range(2):
+            at = summed[b, batch["target_positions"][b]]  # [A, L]
+            expected = (at * batch["read_mask"][b]).sum(-1) / (at * image[b]).sum(-1)
+            np.testing.assert_allclose(np.asarray(shares[n, b]), expected, rtol=2e-5, atol=1e-7)
+    loss, share = decoder.read_loss(shares, jnp.asarray(batch["read_mask"]), (0, 2))
+    reading = batch["read_mask"].any(-1)  # 3 of the 6 answers read something
+    np.testing.assert_allclose(float(share), np.asarray(shares)[[0, 2]][:, reading].mean(), rtol=1e-6)
+    np.testing.assert_allclose(float(loss), -np.log(np.asarray(shares)[[0, 2]][:, reading] + 1e-6).mean(), rtol=1e-5)
+
+
+def test_the_read_loss_moves_attention_onto_the_read_tokens(tiny, tmp_path):
+    batch, bank = data_batch_with_reads(tiny), _bank(tiny)
+    config = _config(30, read_weight=1.0, read_layers=(0, 1))
+    decoder.train(tiny, config, str(tmp_path), batch_fn=lambda step: batch, replay_bank=bank, progress=False)
+    records = [json.loads(line) for line in open(tmp_path / decoder.LOG)]
+    first, last = records[0], records[-1]
+    assert last["read_share"] > 2 * first["read_share"] and last["read_loss"] < first["read_loss"], (first, last)
+    with pytest.raises(ValueError, match="read_weight > 0 needs read_layers"):
+        _config(3, read_weight=1.0)
+    with pytest.raises(ValueError, match=r"read_layers must be < the decoder's 2 layers, got \(0, 2\)"):
+        decoder.train(tiny, _config(3, read_weight=1.0, read_layers=(0, 2)), str(tmp_path / "x"),
+                      batch_fn=lambda step: batch, replay_bank=bank, progress=False)
+
+
+def data_batch_with_reads(model) -> "decoder.Batch":
+    """`_read_batch` as a `data.Batch`."""
+    from lookm_jax.train.data import Batch
+
+    b = _read_batch(model)
+    return Batch(b["ids"], b["valid"], b["pixel_values"], b["target_positions"], b["targets"], b["target_mask"],
+                 b["answer_start"], b["read_mask"])
+
+
+def test_decoder_command_read_flags_reach_the_config_and_bad_ones_are_refused(tmp_path, capsys):
+    from lookm_jax import cli
+    from lookm_jax.train.decoder_command import decoder_config
+
+    def config(*flags):
+        return decoder_config(cli.build_parser().parse_args(["train", "decoder", "--output", "run", *flags]))
+
+    assert config().read_weight == 0 and config().read_layers == ()
+    assert config("--read-weight", "0.2", "--read-layers", "19-22").read_layers == (19, 20, 21, 22)
+    assert config("--read-weight", "0.2", "--read-layers", "3,5").read_layers == (3, 5)
+    out = tmp_path / "run"
+    for flag, value, message in (("--read-weight", "0.2", "--read-weight > 0 needs --read-layers (e.g. 19-26)"),
+                                 ("--read-weight", "-1", "--read-weight must be >= 0, got -1.0"),
+                                 ("--read-layers", "5-3", "argument --read-layers: expected FIRST-LAST or"),
+                                 ("--read-layers", "2,2", "argument --read-layers: expected FIRST-LAST or")):
+        with pytest.raises(SystemExit) if message.startswith("argument") else contextlib.nullcontext():
+            assert cli.main(["train", "decoder", "--output", str(out), flag, value]) == 2
+        assert message in capsys.readouterr().err
+    assert not out.exists()

@@ -18,6 +18,7 @@ from lookm_jax.convert.tokenizer import apply_chat_template
 from lookm_jax.models.processors import Processor
 
 
+READ_COVERAGE = 0.25  # `answer_reads`: the share of a patch an object must show on for the patch to be read
 MAX_SINGLE_TURNS = 3  # `single_picture_spec` fits conversations of up to this many questions
 
 
@@ -30,6 +31,9 @@ class Batch:
     targets: np.ndarray  # [B, A] int32 answer tokens
     target_mask: np.ndarray  # [B, A] bool (False = padding)
     answer_start: np.ndarray  # [B, A] bool: the target is the first token of an answer (its word)
+    # [B, A, L] bool: for an answer's first token, the image tokens of the objects its answer reads
+    # (`answer_reads`); all False for other targets and text answers. None when not known.
+    read_mask: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,13 +81,16 @@ class Encoder:
         return ids, role
 
     def batch(self, conversations: Sequence[Sequence[tuple[str, str]]], pictures: Sequence,
-              length: int, max_targets: int) -> Batch:
-        """Pad conversations to `length` tokens and their targets to `max_targets` (both static)."""
+              length: int, max_targets: int, reads: Sequence[Sequence[np.ndarray]] | None = None) -> Batch:
+        """Pad conversations to `length` tokens and their targets to `max_targets` (both static).
+        `reads`: per conversation, per answer, the indices of the image tokens it reads among the
+        conversation's image tokens in reading order (`answer_reads`) -> `Batch.read_mask`."""
         rows = [self.conversation(c) for c in conversations]
         b = len(rows)
         ids, valid = np.zeros((b, length), np.int32), np.zeros((b, length), bool)
         positions, targets = np.zeros((b, max_targets), np.int32), np.zeros((b, max_targets), np.int32)
         mask, first = np.zeros((b, max_targets), bool), np.zeros((b, max_targets), bool)
+        read_mask = None if reads is None else np.zeros((b, max_targets, length), bool)
         for i, (row, role) in enumerate(rows):
             if len(row) > length:
                 raise ValueError(f"a conversation of {len(row)} tokens does not fit the batch length {length}")
@@ -95,8 +102,15 @@ class Encoder:
             targets[i, :len(where)] = [row[t] for t in where]
             mask[i, :len(where)] = True
             first[i, :len(where)] = [role[t] == 1 for t in where]
+            if reads is not None:
+                starts = np.flatnonzero(first[i])
+                if len(starts) != len(reads[i]):
+                    raise ValueError(f"conversation {i} has {len(starts)} answers and {len(reads[i])} reads")
+                image_positions = np.flatnonzero(np.asarray(row) == self.image_token_id)
+                for start, read in zip(starts, reads[i]):
+                    read_mask[i, start, image_positions[read]] = True
         pixel_values = self.pixels(pictures)
-        return Batch(ids, valid, pixel_values, positions, targets, mask, first)
+        return Batch(ids, valid, pixel_values, positions, targets, mask, first, read_mask)
 
 
 def single_picture_spec(batch_size: int, turns: int) -> BatchSpec:
@@ -119,6 +133,35 @@ def multi_picture_conversation(sample: scenes.MultiSample) -> list[tuple[str, st
     turns = [(q.text, scenes.answer_text(q.answer)) for q in sample.questions]
     turns[0] = (sample.prompt(sample.questions[0]), turns[0][1])
     return turns
+
+
+def answer_reads(questions: Sequence[scenes.Question], pictures: Sequence[scenes.Scene], image_size: int,
+                 tokens_per_picture: int) -> list[np.ndarray]:
+    """Per question, the image tokens (indices among the conversation's image tokens, one per patch,
+    picture after picture) of the objects its answer reads, a patch counting when the object shows on
+    `READ_COVERAGE` of it or more: a single picture's named object, or all of its objects for a count; a
+    multi-picture question's named or revealed picture's object, or the counted pictures' objects;
+    nothing for a text fact."""
+    grid = int(round(tokens_per_picture ** 0.5))
+    if grid * grid != tokens_per_picture or image_size % grid:
+        raise ValueError(f"{tokens_per_picture} image tokens a picture are not a patch grid of a {image_size}-pixel picture")
+    shown = [scenes.patch_coverage(scene, image_size, image_size // grid)[1:] >= READ_COVERAGE for scene in pictures]
+    single = len(pictures) == 1 and all(q.kind in scenes.KINDS for q in questions)
+
+    def picture_objects(k: int) -> np.ndarray:
+        return k * tokens_per_picture + np.flatnonzero(shown[k].any(0))
+
+    reads = []
+    for q in questions:
+        if single:
+            reads.append(np.flatnonzero(shown[0].any(0) if q.kind == "count" else shown[0][q.subject]))
+        elif q.kind == "count_pictures":
+            reads.append(np.concatenate([picture_objects(k) for k in q.counted] or [np.zeros(0, int)]))
+        elif q.subject is not None:
+            reads.append(picture_objects(q.subject))
+        else:  # a text fact
+            reads.append(np.zeros(0, int))
+    return reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,13 +198,14 @@ class BatchSpec:
         if self.pictures == 1:
             samples = [scenes.single_picture_sample(split, seed, i, self.turns) for i in indices]
             conversations = [single_picture_conversation(s) for s in samples]
-            pictures = [scenes.render(s.scene, image_size) for s in samples]
+            shown = [(s.scene,) for s in samples]
         else:
-            multi = [scenes.multi_picture_sample(split, seed, i, self.picture_count(split, seed, i), self.turns,
-                                                 self.kinds, text_fact=self.text_facts) for i in indices]
-            conversations = [multi_picture_conversation(s) for s in multi]
-            pictures = [scenes.render(scene, image_size) for s in multi for scene in s.scenes]
-            # Features fill the placeholders in order (`llava.embed`), so trailing pictures are unused.
-            blank = Image.new("RGB", (image_size, image_size))
-            pictures += [blank] * (self.batch_size * self.pictures - len(pictures))
-        return encoder.batch(conversations, pictures, self.length, self.max_targets)
+            samples = [scenes.multi_picture_sample(split, seed, i, self.picture_count(split, seed, i), self.turns,
+                                                   self.kinds, text_fact=self.text_facts) for i in indices]
+            conversations = [multi_picture_conversation(s) for s in samples]
+            shown = [s.scenes for s in samples]
+        pictures = [scenes.render(scene, image_size) for row in shown for scene in row]
+        # Features fill the placeholders in order (`llava.embed`), so trailing pictures are unused.
+        pictures += [Image.new("RGB", (image_size, image_size))] * (self.batch_size * self.pictures - len(pictures))
+        reads = [answer_reads(s.questions, row, image_size, encoder.image_seq_length) for s, row in zip(samples, shown)]
+        return encoder.batch(conversations, pictures, self.length, self.max_targets, reads)

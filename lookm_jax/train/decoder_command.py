@@ -18,6 +18,21 @@ def kind_weight(text: str) -> tuple[str, int]:
     return kind, int(weight)
 
 
+def layer_range(text: str) -> tuple[int, ...]:
+    """argparse type of --read-layers: "19-26" or "3,5,8" -> the layer indices (>= 0, distinct)."""
+    try:
+        if "-" in text:
+            first, last = (int(part) for part in text.split("-"))
+            layers = tuple(range(first, last + 1))
+        else:
+            layers = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        layers = ()
+    if not layers or min(layers) < 0 or len(set(layers)) != len(layers):
+        raise argparse.ArgumentTypeError(f"expected FIRST-LAST or a comma-separated list of distinct layers >= 0, got {text!r}")
+    return layers
+
+
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "decoder",
@@ -37,6 +52,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--warmup-steps", type=int_at_least(0), default=30, help="linear warmup steps")
     p.add_argument("--replay-batch-size", type=int_at_least(1), default=4, help="text-only replay prompts per step")
     p.add_argument("--replay-weight", type=finite_float, default=1.0, help="weight of the replay KL to the frozen decoder, >= 0")
+    p.add_argument("--read-weight", type=finite_float, default=0.0,
+                   help="weight of the read loss, >= 0: the attention from each answer onto the patches of what it "
+                        "is about, in --read-layers (0: off)")
+    p.add_argument("--read-layers", type=layer_range, default=(), metavar="FIRST-LAST",
+                   help="the decoder layers the read loss supervises, e.g. 19-26 or 20,22,24")
     p.add_argument("--eval-every", type=int_at_least(1), default=100, help="steps between held-out accuracy checks")
     p.add_argument("--checkpoint-every", type=int_at_least(1), default=10, help="steps between checkpoints")
     p.add_argument("--init", type=path_arg, help="start from a finished run's folder (its exported adapters and "
@@ -56,16 +76,19 @@ def decoder_config(args):
 
     if args.warmup_steps >= args.steps:
         raise ValueError(f"--warmup-steps must be < --steps, got {args.warmup_steps} and {args.steps}")
+    if args.read_weight > 0 and not args.read_layers:
+        raise ValueError("--read-weight > 0 needs --read-layers (e.g. 19-26)")
     if args.init not in (None, decoder.SHIPPED) and not os.path.isdir(args.init):
         raise ValueError(f"--init must be a finished run's folder or '{decoder.SHIPPED}', got {args.init} (no such folder)")
-    for flag in ("projector_learning_rate", "replay_weight"):
+    for flag in ("projector_learning_rate", "replay_weight", "read_weight"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     return decoder.DecoderConfig(
         steps=args.steps, rank=args.rank, scale=args.scale, learning_rate=args.learning_rate,
         projector_learning_rate=args.projector_learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
         replay_batch_size=args.replay_batch_size, replay_weight=args.replay_weight, eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every, init=args.init,
+        checkpoint_every=args.checkpoint_every, init=args.init, read_weight=args.read_weight,
+        read_layers=args.read_layers,
         batches=decoder.weighted_batches(dict(args.kind_weight)))
 
 

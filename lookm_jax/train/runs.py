@@ -53,8 +53,9 @@ def end_step(log, bar, record: dict, config, last: int, start: float, evaluate: 
 
 
 def arrays_of(batch) -> dict:
-    """A batch dataclass of numpy arrays -> {field: device array}."""
-    return {f.name: jnp.asarray(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
+    """A batch dataclass of numpy arrays -> {field: device array} (fields that are None left out)."""
+    return {f.name: jnp.asarray(getattr(batch, f.name)) for f in dataclasses.fields(batch)
+            if getattr(batch, f.name) is not None}
 
 
 def write_atomic(path: str, data: bytes) -> None:

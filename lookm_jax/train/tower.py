@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from PIL import Image, ImageDraw
 
 from lookm_jax import scenes
 from lookm_jax.models import clip
@@ -61,17 +60,9 @@ class PretrainConfig:
 
 def patch_labels(scene: scenes.Scene, size: int, patch: int) -> dict[str, np.ndarray]:
     """-> {target name: [P] int32} per patch, row-major (`TARGETS`), the patch's owner being the object
-    covering most of it (or background), drawn with the same geometry as `render`. Object-only targets
-    are 0 on background patches (the loss ignores them there)."""
-    big = 2 * size
-    ids = Image.new("L", (big, big), 0)
-    draw = ImageDraw.Draw(ids)
-    for i, o in enumerate(scene.objects, start=1):
-        scenes.draw_object(draw, o, big, i)
-    grid = np.asarray(ids).reshape(size // patch, 2 * patch, size // patch, 2 * patch).transpose(0, 2, 1, 3)
-    grid = grid.reshape(-1, (2 * patch) ** 2)
-    counts = np.stack([(grid == i).sum(-1) for i in range(len(scene.objects) + 1)], axis=-1)
-    owner = counts.argmax(-1)  # [P]: 0 = background, i = object i
+    covering most of it, or background (`scenes.patch_owner`). Object-only targets are 0 on background
+    patches (the loss ignores them there)."""
+    owner = scenes.patch_owner(scene, size, patch)  # [P]: 0 = background, i = object i
     per_object = {
         "colour": [0] + [1 + list(scenes.COLOURS).index(o.colour) for o in scene.objects],
         "shape": [0] + [scenes.SHAPES.index(o.shape) for o in scene.objects],
