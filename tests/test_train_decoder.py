@@ -306,9 +306,12 @@ def test_read_shares_are_the_attention_transformers_computes(tmp_path):
     model = lookm_jax.load(str(tmp_path))
     batch = _read_batch(model)
     x, is_image = llava.embed(model.config, model.params, jnp.asarray(batch["ids"]), jnp.asarray(batch["pixel_values"]))
-    _, shares = jax.jit(lambda x: decoder.read_shares(model.config.text, model.params["text"], x, is_image,
-                                                      jax.tree.map(jnp.asarray, batch)))(x)
-    chex.assert_shape(shares, (3, 2, 3))
+    _, log_shares = jax.jit(lambda x: decoder.read_shares(model.config.text, model.params["text"], x, is_image,
+                                                          jax.tree.map(jnp.asarray, batch)))(x)
+    chex.assert_shape(log_shares, (3, 2, 3))
+    reading = batch["read_mask"].any(-1)  # 3 of the 6 answers read something; the others' log share is 0
+    assert (np.asarray(log_shares)[:, ~reading] == 0).all()
+    shares = np.exp(np.asarray(log_shares))
     hf.set_attn_implementation("eager")
     with torch.no_grad():
         out = hf(input_ids=torch.as_tensor(batch["ids"], dtype=torch.long),
@@ -319,11 +322,16 @@ def test_read_shares_are_the_attention_transformers_computes(tmp_path):
         for b in range(2):
             at = summed[b, batch["target_positions"][b]]  # [A, L]
             expected = (at * batch["read_mask"][b]).sum(-1) / (at * image[b]).sum(-1)
-            np.testing.assert_allclose(np.asarray(shares[n, b]), expected, rtol=2e-5, atol=1e-7)
-    loss, share = decoder.read_loss(shares, jnp.asarray(batch["read_mask"]), (0, 2))
-    reading = batch["read_mask"].any(-1)  # 3 of the 6 answers read something
-    np.testing.assert_allclose(float(share), np.asarray(shares)[[0, 2]][:, reading].mean(), rtol=1e-6)
-    np.testing.assert_allclose(float(loss), -np.log(np.asarray(shares)[[0, 2]][:, reading] + 1e-6).mean(), rtol=1e-5)
+            np.testing.assert_allclose(shares[n, b, reading[b]], expected[reading[b]], rtol=2e-5)
+    loss, share = decoder.read_loss(log_shares, jnp.asarray(batch["read_mask"]), (0, 2))
+    np.testing.assert_allclose(float(share), shares[[0, 2]][:, reading].mean(), rtol=1e-6)
+    np.testing.assert_allclose(float(loss), -np.log(shares[[0, 2]][:, reading]).mean(), rtol=1e-5)
+    # No NaN where a target's position sees no image token at all (a text answer before any picture).
+    early = {**batch, "target_positions": np.tile(np.array([1, 34, 38], np.int32), (2, 1))}
+    grad = jax.grad(lambda x: decoder.read_loss(decoder.read_shares(model.config.text, model.params["text"], x,
+                                                                    is_image, jax.tree.map(jnp.asarray, early))[1],
+                                                jnp.asarray(early["read_mask"]), (0, 1, 2))[0])(x)
+    assert bool(jnp.isfinite(grad).all())
 
 
 def test_the_read_loss_moves_attention_onto_the_read_tokens(tiny, tmp_path):

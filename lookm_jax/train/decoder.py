@@ -212,12 +212,17 @@ def replay_metrics(text_cfg, adapted: dict, frozen: dict, batch: dict) -> tuple[
 
 
 def read_shares(text_cfg, text: dict, x: jax.Array, is_image: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array]:
-    """The decoder's pass over embedded prompts x [B, L, H] -> (final-normed h [B, L, H], shares
-    [N, B, A]): in every layer, the share of the attention from each target's position to the image
-    tokens that lands on the tokens its answer reads (`Batch.read_mask`), attention summed over the
-    heads first, so the heads that look at the pictures most weigh most."""
-    positions, read = batch["target_positions"], batch["read_mask"].astype(jnp.float32)  # [B, A], [B, A, L]
-    causal = (jnp.arange(x.shape[1]) <= positions[..., None]) & batch["valid"][:, None, :]  # [B, A, L]
+    """The decoder's pass over embedded prompts x [B, L, H] -> (final-normed h [B, L, H], log shares
+    [N, B, A]): in every layer, the log of the share of the attention from each target's position to
+    the image tokens that lands on the tokens its answer reads (`Batch.read_mask`), attention summed
+    over the heads first, so the heads that look at the pictures most weigh most. Computed from log
+    probabilities (no division by a vanishing image mass); 0 for targets that read nothing."""
+    positions, valid = batch["target_positions"], batch["valid"]  # [B, A], [B, L]
+    causal = (jnp.arange(x.shape[1]) <= positions[..., None]) & valid[:, None, :]  # [B, A, L]
+    reads = (batch["read_mask"] & causal).any(-1, keepdims=True)  # [B, A, 1]
+    # A target that reads nothing gets every key it sees as both sets (a finite log share of 0, no NaN gradient).
+    on_read = jnp.where(reads, batch["read_mask"] & causal, causal)[:, :, None]  # [B, A, 1, L]
+    on_image = jnp.where(reads, is_image[:, None, :] & causal, causal)[:, :, None]
 
     def on_layer(q, k, v, stats, index):
         b, hq, _, d = q.shape
@@ -225,20 +230,25 @@ def read_shares(text_cfg, text: dict, x: jax.Array, is_image: jax.Array, batch: 
         at = jnp.take_along_axis(q, positions[:, None, :, None], axis=2)  # [B, Hq, A, D]
         at = at.reshape(b, hkv, hq // hkv, -1, d)  # a KV head's query heads together, as `llama.attend`
         scores = jnp.einsum("bhgad,bhkd->bhgak", at, k, preferred_element_type=jnp.float32) * d**-0.5
-        probs = jax.nn.softmax(jnp.where(causal[:, None, None], scores, -jnp.inf), axis=-1).sum((1, 2))  # [B, A, L]
-        return (probs * read).sum(-1), (probs * is_image[:, None, :]).sum(-1)
+        log_probs = jax.nn.log_softmax(jnp.where(causal[:, None, None], scores, -jnp.inf), axis=-1)
+        log_probs = log_probs.reshape(b, hq, -1, log_probs.shape[-1]).transpose(0, 2, 1, 3)  # [B, A, Hq, L]
 
-    h, (on_read, on_image) = llama.encode(text_cfg, text, x, batch["valid"], on_layer=on_layer)
-    return h, on_read / jnp.maximum(on_image, 1e-30)
+        def log_mass(keys):  # log of the attention on `keys`, summed over heads -> [B, A]
+            return jax.nn.logsumexp(jnp.where(keys, log_probs, -jnp.inf), axis=(-2, -1))
+
+        return log_mass(on_read) - log_mass(on_image)
+
+    h, log_shares = llama.encode(text_cfg, text, x, valid, on_layer=on_layer)
+    return h, log_shares
 
 
-def read_loss(shares: jax.Array, read_mask: jax.Array, layers: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
-    """(minus the mean log of `read_shares` over `layers` and the answers that read some image token,
-    the mean share itself). Pushes the attention from an answer's position onto what it must read."""
+def read_loss(log_shares: jax.Array, read_mask: jax.Array, layers: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """(minus the mean of `read_shares`' log shares over `layers` and the answers that read some image
+    token, the mean share itself). Pushes the attention from an answer's position onto what it must read."""
     has_read = read_mask.any(-1).astype(jnp.float32)  # [B, A]
-    picked = shares[jnp.asarray(layers)]  # [S, B, A]
+    picked = log_shares[jnp.asarray(layers)]  # [S, B, A]
     count = jnp.maximum(has_read.sum() * len(layers), 1.0)
-    return -(jnp.log(picked + 1e-6) * has_read).sum() / count, (picked * has_read).sum() / count
+    return -(picked * has_read).sum() / count, (jnp.exp(picked) * has_read).sum() / count
 
 
 def metrics_fn(cfg, scale: float, read_layers: tuple[int, ...] = ()) -> Callable:
