@@ -8,7 +8,7 @@ decode loop. The context is never consumed: it answers any number of questions. 
 `extend=True` the answer also carries the context extended by the question and the answer, for
 the next turn of a conversation (`lookm_jax.chat` renders turns with the chat template).
 
-Programs are compiled per (context capacity, batch, question bucket, added room, max_new_tokens,
+Programs are compiled per (context cache layout, question bucket, added room, max_new_tokens,
 sampling): a new question length inside its bucket (`generate.QUESTION_BUCKETS`) reuses them, and
 a conversation's context grows a bucket at a time (`_room`), so its turns share them too.
 """
@@ -133,12 +133,12 @@ def ask(model, context: Context, question_ids, attention_mask=None, max_new_toke
     cfg, params = model.text_config, model.params["text"]
     q_ids, q_valid = model._rows(ids, valid)
     args = (cfg, params, context.cache, q_ids, q_valid, key)
-    signature = ("question", context.cache.capacity, context.batch, width, room, sampling)
+    signature = ("question", _layout(context.cache), width, room, sampling)
     prefill, compile_prefill = model._program(signature, lambda: gen.prefill_question.lower(
         *args, room=room, sampling=sampling))
     first_info, _, cache_info = prefill.out_info
     decode, compile_decode = model._program(
-        ("answer", cache_info.capacity, context.batch, max_new_tokens, sampling),
+        ("answer", _layout(cache_info), max_new_tokens, sampling),
         lambda: gen.decode.lower(cfg, params, first_info, cache_info, key, max_new_tokens=max_new_tokens,
                                  sampling=sampling, eos_ids=cfg.eos_token_ids))
     start = time.perf_counter()
@@ -159,6 +159,14 @@ def ask(model, context: Context, question_ids, attention_mask=None, max_new_toke
     return Answer(tokens=tokens, lengths=answer_lengths, logits=np.asarray(logits), question_tokens=lengths,
                   cache_bytes=cache_bytes, compile_seconds=compile_prefill + compile_decode,
                   prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, context=extended)
+
+
+def _layout(cache) -> tuple:
+    """What a program compiled over `cache` (arrays or their ShapeDtypeStructs) is specific to: its
+    structure (per-layer buffers' static shifts, head pools, log counts) and every array's shape and
+    dtype. Two methods' caches of one capacity can differ here (e.g. SnapKV's and AdaKV's)."""
+    leaves, structure = jax.tree.flatten(cache)
+    return structure, tuple((leaf.shape, str(leaf.dtype)) for leaf in leaves)
 
 
 def _room(context: Context, slots: int) -> int:

@@ -187,3 +187,21 @@ def test_a_per_slot_log_count_shifts_the_question_s_attention(llava):
     np.testing.assert_array_equal(decoded(with_log_counts(0.0)), decoded(ctx.cache))
     np.testing.assert_allclose(decoded(with_log_counts(-1e4)), decoded(empty), atol=1e-5, rtol=0)
     assert np.abs(decoded(empty) - decoded(ctx.cache)).max() > 1e-3
+
+
+@pytest.mark.parametrize("other", ["adakv"])
+def test_contexts_of_equal_capacity_and_different_layouts_each_get_their_own_programs(llava, other):
+    """SnapKV's cache and PyramidKV's (per-layer buffers) or AdaKV's (head pools) hold the same slots in
+    the largest layer; asking one after the other on one model answers each as a fresh model does."""
+    model, contexts, questions, pixels = llava
+    ids, mask = gen.right_pad(contexts)
+    first, second = (model.prefill_context(ids, pixels, mask, method=lookm_jax.get_method(name, budget=0.4))
+                     for name in ("snapkv", other))
+    assert first.cache.capacity == second.cache.capacity
+    for ctx in (first, second):
+        fresh = dataclasses.replace(model, _compiled={})
+        expected = fresh.ask(fresh.prefill_context(ids, pixels, mask, method=ctx.method), *_left_pad(questions),
+                             max_new_tokens=NEW)
+        answer = model.ask(ctx, *_left_pad(questions), max_new_tokens=NEW)
+        np.testing.assert_array_equal(answer.tokens, expected.tokens)
+        np.testing.assert_allclose(answer.logits, expected.logits, atol=1e-6, rtol=0)
