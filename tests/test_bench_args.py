@@ -31,6 +31,9 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("peers_kvpress.py", ["--seed", "-1"], "argument --seed: must be an integer in [0, 4294967295], got -1"),
     ("ask_cpu.py", ["--question-tokens", "0"], "argument --question-tokens: must be an integer >= 1, got 0"),
     ("ask_cpu.py", ["--budget", "1.5"], "argument --budget: budget must be a fraction in (0, 1], got 1.5"),
+    ("kept_selection.py", ["--pictures", "1"], "--pictures must be in [2, 16], got 1"),
+    ("kept_selection.py", ["--methods", "h2o", "bogus"], "--methods: unknown method 'bogus'"),
+    ("kept_selection.py", ["--tasks", "needle"], "argument --tasks: invalid choice: 'needle'"),
     ("oracle_tokens.py", ["--learning-rate", "0"], "argument --learning-rate: must be a finite number > 0, got 0"),
 ])
 def test_bench_scripts_refuse_bad_arguments(script, argv, message):
