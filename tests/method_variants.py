@@ -18,7 +18,7 @@ VARIANTS: list[tuple[str, dict]] = [(name, {}) for name in METHODS] + [
     ("lookm", {"merge": "averaged", "similarity_filter": True}),
     ("lookm", {"merge": "weighted", "text_prior": False, "n_sink": 4}),
     ("lookm", {"keep_all_text": True, "merge": "pivotal"}),
-    ("lookm", {"image_quota": 0.5, "merge": None, "image_order": "spread"}),  # score order: lookm_quota
+    ("lookm", {"image_quota": 0.5, "merge": None}),
     ("lookm", {"image_quota": "proportional", "merge_scope": "same_modality"}),
     ("lookm", {"merge": "averaged", "size_aware": True}),
     ("adakv", {"head_floor": 0.0}),

@@ -108,26 +108,10 @@ def picture_of(is_image_row):
     return pictures
 
 
-def spread_key(valid_index):
-    """The spread order's key of the token at this index among its row's valid tokens: the lowbias32
-    hash in Python integers, its top 24 bits."""
-    x = valid_index
-    x = ((x ^ (x >> 16)) * 0x7FEB352D) % 2**32
-    x = ((x ^ (x >> 15)) * 0x846CA68B) % 2**32
-    return (x ^ (x >> 16)) >> 8
-
-
-def spread_scores(valid_row):
-    """{position: spread key} for the valid tokens of a row."""
-    positions = [j for j, v in enumerate(valid_row) if v]
-    return {j: spread_key(i) for i, j in enumerate(positions)}
-
-
 def reserved_images(head_scores, pool, image_pool, quota, n_b, pictures=None):
-    """The image quota's reserved slots of one head: its best image tokens of the pool by head_scores
-    (a head's scores, or the row's spread keys; ties: lower position); none without a quota. pictures
-    ({position: picture}, picture balance): taken in rounds, each picture's best of the pool, then each
-    one's second best, ... (a round by score)."""
+    """The image quota's reserved slots of one head: its best image tokens of the pool (ties: lower
+    position); none without a quota. pictures ({position: picture}, picture balance): taken in
+    rounds, each picture's best of the pool, then each one's second best, ... (a round by score)."""
     if quota is None:
         return []
     count = image_quota_count(quota, n_b, len(pool), len(image_pool))
@@ -143,7 +127,7 @@ def reserved_images(head_scores, pool, image_pool, quota, n_b, pictures=None):
 
 
 def adaptive_ranked(scores, valid, is_image, m, n, *, groups, head_floor, text_prior, n_sink=0, image_quota=None,
-                    picture_balance=False, image_order="score"):
+                    picture_balance=False):
     """AdaKV: {(b, h): ranked slots of head h}. Per row and group of heads, each head first gets its
     F = min(floor(head_floor N), C) best candidates (C outside the recent window), then the group's
     H_g (min(N, C) - F) remaining slots go to the best of all its heads' other candidates, ranked by
@@ -158,8 +142,7 @@ def adaptive_ranked(scores, valid, is_image, m, n, *, groups, head_floor, text_p
         for g in range(groups):
             entries = []
             for h in range(g * hg, (g + 1) * hg):
-                order_by = scores[b, h] if image_order == "score" else spread_scores(valid[b])
-                reserved = reserved_images(order_by, pool, image_pool, image_quota, n[b], pictures)
+                reserved = reserved_images(scores[b, h], pool, image_pool, image_quota, n[b], pictures)
 
                 def key(j, h=h, reserved=reserved):
                     cls = 3 if j in sinks else 2 if j in reserved else 1 if text_prior and not is_image[b, j] else 0
@@ -173,7 +156,7 @@ def adaptive_ranked(scores, valid, is_image, m, n, *, groups, head_floor, text_p
 
 
 def select(scores, valid, is_image, m, n, *, text_prior, n_sink=0, keep_all_text=False, image_quota=None,
-           picture_balance=False, image_order="score", head_n=None):
+           picture_balance=False, head_n=None):
     """Eq. 5-8 for every (b, h): sorted kept positions (recent M + top N; ties: lower position).
     With an image quota, the best floor(q N) image tokens outside the window and the sinks rank
     right after the sinks, above every text token. head_n: {(b, h): N of the head} (AdaKV) instead of N."""
@@ -184,8 +167,7 @@ def select(scores, valid, is_image, m, n, *, text_prior, n_sink=0, keep_all_text
         pictures = picture_of(is_image[b]) if picture_balance else None
         for h in range(h_):
             a = {j: float(scores[b, h, j]) for j in idx}
-            order_by = scores[b, h] if image_order == "score" else spread_scores(valid[b])
-            reserved = reserved_images(order_by, pool, image_pool, image_quota, n[b], pictures)
+            reserved = reserved_images(scores[b, h], pool, image_pool, image_quota, n[b], pictures)
             if text_prior:  # eq. 5
                 top = max(a.values())
                 a = {j: s + top if not is_image[b, j] else s for j, s in a.items()}
@@ -314,12 +296,10 @@ def run_method(name, params, q, k, v, is_image, valid, layer=None):
         head_n = adaptive_ranked(scores, valid, is_image, m, n, groups=params.get("head_groups") or 1,
                                  head_floor=params.get("head_floor", 0.2), text_prior=text_prior, n_sink=n_sink,
                                  image_quota=params.get("image_quota"),
-                                 picture_balance=params.get("picture_balance", False),
-                                 image_order=params.get("image_order", "score"))
+                                 picture_balance=params.get("picture_balance", False))
     kept = select(scores, valid, is_image, m, n, text_prior=text_prior, n_sink=n_sink,
                   keep_all_text=params.get("keep_all_text", False), image_quota=params.get("image_quota"),
-                  picture_balance=params.get("picture_balance", False),
-                  image_order=params.get("image_order", "score"), head_n=head_n)
+                  picture_balance=params.get("picture_balance", False), head_n=head_n)
     if mode is None:
         return {key: (pos, k[key[0], key[1], pos], v[key[0], key[1], pos]) for key, pos in kept.items()}
     same = params.get("merge_scope", "any") == "same_modality"

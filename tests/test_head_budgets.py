@@ -37,7 +37,6 @@ ADAPTIVE = [
     ("lookm", {"head_split": "adaptive", "image_quota": "proportional", "merge_scope": "same_modality",
                "size_aware": True}),
     ("lookm_quota", {"head_split": "adaptive", "picture_balance": True}),
-    ("lookm_quota", {"head_split": "adaptive", "image_order": "spread"}),
 ]
 
 

@@ -118,50 +118,17 @@ def test_capacity_defaults_to_max_budget_and_needs_concrete_budgets():
 
 @pytest.mark.parametrize("image_quota", [0.0, 0.5, 1.0, "proportional"])
 @pytest.mark.parametrize("text_prior,n_sink", [(True, 0), (True, 2), (False, 0)])
-@pytest.mark.parametrize("picture_balance,image_order", [(False, "score"), (True, "score"), (False, "spread"),
-                                                       (True, "spread")])
-def test_image_quota_matches_reference(image_quota, text_prior, n_sink, picture_balance, image_order):
+@pytest.mark.parametrize("picture_balance", [False, True])
+def test_image_quota_matches_reference(image_quota, text_prior, n_sink, picture_balance):
     """Random image masks: with picture balance, many pictures of 1-6 tokens, some cut by the window."""
     k, v, scores, is_image, valid = _case(3, [24, 19, 7])
     m, n = [3, 2, 1], [8, 6, 3]
     out = compress_kv(jnp.asarray(k), jnp.asarray(v), jnp.asarray(scores), is_image=jnp.asarray(is_image),
                       valid=jnp.asarray(valid), n_recent=np.array(m), n_important=np.array(n),
-                      text_prior=text_prior, n_sink=n_sink, image_quota=image_quota, picture_balance=picture_balance,
-                      image_order=image_order)
+                      text_prior=text_prior, n_sink=n_sink, image_quota=image_quota, picture_balance=picture_balance)
     kept = ref.select(scores, valid, is_image, m, n, text_prior=text_prior, n_sink=n_sink, image_quota=image_quota,
-                      picture_balance=picture_balance, image_order=image_order)
+                      picture_balance=picture_balance)
     ref.check_against(out, {bh: (p, k[bh[0], bh[1], p], v[bh[0], bh[1], p]) for bh, p in kept.items()}, atol=0)
-
-
-def test_spread_keys_follow_the_valid_index_not_the_padding():
-    from lookm_jax.compression.select import spread_keys
-
-    valid = np.zeros((2, 300), bool)
-    valid[0, :260] = True  # right-padded
-    valid[1, 40:] = True  # left-padded, the same 260 tokens
-    keys = np.asarray(spread_keys(jnp.asarray(valid)))
-    chex.assert_type(keys, jnp.float32)
-    np.testing.assert_array_equal(keys[0, :260], keys[1, 40:])
-    np.testing.assert_array_equal(keys[0, :260], [ref.spread_key(i) for i in range(260)])
-    assert len(set(keys[0, :260])) == 260  # distinct: no ties among a prompt's tokens
-    # Spread over a picture: the first 16 of each 64-token (8 x 8) picture in key order cover >= 5 of its rows
-    # and >= 5 of its columns (the van der Corput order of the index this replaced took one column).
-    for start in range(0, 193, 64):
-        first = np.argsort(-keys[0, start:start + 64], kind="stable")[:16]
-        assert len(set(first // 8)) >= 5 and len(set(first % 8)) >= 5
-
-
-def test_spread_ignores_the_scores():
-    """Under a spread order the quota keeps the same image tokens whatever the scores (every token an image
-    and a quota of 1: every ranked slot is the quota's)."""
-    k, v, scores, _, valid = (jnp.asarray(x) for x in _case(3, [24, 19, 7]))
-    kept = [compress_kv(k, v, s, is_image=valid, valid=valid, n_recent=2, n_important=4, text_prior=False,
-                        image_quota=1.0, image_order="spread").positions for s in (scores, -scores)]
-    np.testing.assert_array_equal(*kept)
-    with pytest.raises(InputError, match="image_order must be one of"):
-        SelectionSpec(image_quota=0.5, image_order="random")
-    with pytest.raises(InputError, match="image_order 'spread' needs an image_quota"):
-        SelectionSpec(image_order="spread")
 
 
 def test_picture_ids_number_runs_of_image_tokens():

@@ -15,7 +15,7 @@ from lookm_jax.checks import is_int_at_least, is_real
 from lookm_jax.errors import InputError
 from lookm_jax.compression import heads as head_pool
 from lookm_jax.compression.merge import MERGES, merge_evicted
-from lookm_jax.compression.select import IMAGE_ORDERS, PROPORTIONAL, adaptive_head_slots, select_slots
+from lookm_jax.compression.select import PROPORTIONAL, adaptive_head_slots, select_slots
 
 MERGE_SCOPES = ("any", "same_modality")
 
@@ -64,8 +64,6 @@ class SelectionSpec:
       logit at every later query (`lookm_jax.compression.merge`). Needs merge.
     picture_balance: the image quota's slots go round-robin across the prompt's pictures, each
       picture's best first (`lookm_jax.compression.select`). Needs image_quota.
-    image_order: "score" (the quota keeps the best-scored image tokens) or "spread" (a fixed hashed
-      order over them, ignoring the scores, `lookm_jax.compression.select.spread_keys`). Needs image_quota.
     """
 
     text_prior: bool = False
@@ -77,7 +75,6 @@ class SelectionSpec:
     merge_scope: str = "any"
     size_aware: bool = False
     picture_balance: bool = False
-    image_order: str = "score"
 
     def __post_init__(self):
         flags = {"text_prior": self.text_prior, "similarity_filter": self.similarity_filter,
@@ -108,10 +105,6 @@ class SelectionSpec:
             raise InputError("size_aware needs a merge mode (without merging every slot holds one token)")
         if self.picture_balance and quota is None:
             raise InputError("picture_balance needs an image_quota (it shares the quota's slots among the pictures)")
-        if self.image_order not in IMAGE_ORDERS:
-            raise InputError(f"image_order must be one of {IMAGE_ORDERS}, got {self.image_order!r}")
-        if self.image_order != "score" and quota is None:
-            raise InputError(f"image_order {self.image_order!r} needs an image_quota (it orders the quota's image tokens)")
 
 
 def _static_capacity(n_recent, n_important, length: int) -> int:
@@ -140,7 +133,6 @@ def compress_kv(
     merge_scope: str = "any",
     size_aware: bool = False,
     picture_balance: bool = False,
-    image_order: str = "score",
     capacity: int | None = None,
     block: int = 128,
     head_groups: int | None = None,
@@ -166,8 +158,8 @@ def compress_kv(
       keep_all_text: keep every text token even when they exceed N (authors' code); the cache
         then overruns M + N, so give ``capacity`` (S_max); rows beyond it are truncated by rank.
         Requires ``text_prior``. Default off.
-      image_quota, merge_scope, size_aware, picture_balance, image_order: see ``SelectionSpec``. Default
-        off / "any" / off / off / "score" (the paper's).
+      image_quota, merge_scope, size_aware, picture_balance: see ``SelectionSpec``. Default off / "any" /
+        off / off (the paper's).
       capacity: static S. Default: max over rows of M + N (needs concrete M, N), clipped to L.
       block: static token block of the similarity scan.
       head_groups: None (every head keeps M + N) or G, AdaKV's head-adaptive allocation within each
@@ -179,7 +171,7 @@ def compress_kv(
     capacity, block and the selection spec's fields.
     """
     SelectionSpec(text_prior, merge, n_sink, similarity_filter, keep_all_text, image_quota, merge_scope,
-                  size_aware, picture_balance, image_order)  # validates
+                  size_aware, picture_balance)  # validates
     b, _, length, _ = keys.shape
     if capacity is None:
         capacity = _static_capacity(n_recent, n_important, length)
@@ -189,8 +181,7 @@ def compress_kv(
         keys, values, scores, is_image, valid, n_recent, n_important,
         capacity=int(capacity), text_prior=text_prior, merge=merge, n_sink=n_sink,
         similarity_filter=similarity_filter, keep_all_text=keep_all_text, image_quota=image_quota,
-        merge_scope=merge_scope, size_aware=size_aware, picture_balance=picture_balance, image_order=image_order,
-        block=block,
+        merge_scope=merge_scope, size_aware=size_aware, picture_balance=picture_balance, block=block,
         head_groups=head_groups, head_floor=head_floor,
     )
 
@@ -198,12 +189,12 @@ def compress_kv(
 @functools.partial(
     jax.jit,
     static_argnames=("capacity", "text_prior", "merge", "n_sink", "similarity_filter", "keep_all_text",
-                     "image_quota", "merge_scope", "size_aware", "picture_balance", "image_order", "block", "head_groups",
+                     "image_quota", "merge_scope", "size_aware", "picture_balance", "block", "head_groups",
                      "head_floor"),
 )
 def _compress(keys, values, scores, is_image, valid, n_recent, n_important, *, capacity, text_prior, merge,
-              n_sink, similarity_filter, keep_all_text, image_quota, merge_scope, size_aware, picture_balance, image_order,
-              block, head_groups, head_floor) -> CompressedKV:
+              n_sink, similarity_filter, keep_all_text, image_quota, merge_scope, size_aware, picture_balance, block,
+              head_groups, head_floor) -> CompressedKV:
     b, h, length, _ = keys.shape
     head_slots, per_head_capacity = None, capacity
     if head_groups is not None:
@@ -212,13 +203,12 @@ def _compress(keys, values, scores, is_image, valid, n_recent, n_important, *, c
                              f"got keep_all_text={keep_all_text}, {head_groups} groups")
         head_slots = adaptive_head_slots(scores, valid, is_image, n_recent, n_important, groups=head_groups,
                                          head_floor=head_floor, text_prior=text_prior, n_sink=n_sink,
-                                         image_quota=image_quota, picture_balance=picture_balance,
-                                         image_order=image_order)  # [B, Hkv]
+                                         image_quota=image_quota, picture_balance=picture_balance)  # [B, Hkv]
         per_head_capacity = min(length, h // head_groups * capacity)  # a head may take its group's whole budget
     sel = select_slots(
         scores, valid, is_image, n_recent, n_important,
         capacity=per_head_capacity, text_prior=text_prior, n_sink=n_sink, keep_all_text=keep_all_text,
-        image_quota=image_quota, picture_balance=picture_balance, image_order=image_order, head_slots=head_slots,
+        image_quota=image_quota, picture_balance=picture_balance, head_slots=head_slots,
     )
     idx = sel.indices[..., None]  # [B, Hkv, S, 1]
     occupied = sel.mask[..., None]

@@ -22,11 +22,7 @@ candidates. The rest of N is ranked as before. With ``picture_balance`` the rese
 round-robin across the prompt's pictures (contiguous runs of image tokens): every picture's best
 pool token first (by score, then position), then every picture's second best, and so on. Accumulated
 attention favours early tokens (more queries see them), so without it the first pictures take most
-of the quota and the last ones keep none (docs/RESULTS.md). With ``image_order=SPREAD`` the quota
-ignores the scores: its image tokens are taken in a fixed pseudo-random order (``spread_keys``: a hash
-of each token's index among the row's valid tokens, the same in every layer and head), so the kept
-tokens spread over every picture's grid. On the scenes testbed at 20%, image tokens drawn at random
-answer better than the attention-ranked ones (docs/RESULTS.md, "What a 20% cache would need").
+of the quota and the last ones keep none (docs/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -39,8 +35,6 @@ import numpy as np
 from jax import lax
 
 PROPORTIONAL = "proportional"  # an image quota equal to the image tokens' share of the candidates
-SPREAD = "spread"  # the image quota takes its tokens in a fixed hashed order, not by score
-IMAGE_ORDERS = ("score", SPREAD)
 
 
 class Selection(NamedTuple):
@@ -74,17 +68,6 @@ def image_quota_slots(quota: float | str, n_important: jax.Array, pool: jax.Arra
         return (n_important * image_pool.sum(-1)) // jnp.maximum(pool.sum(-1), 1)
     table = np.floor(quota * np.arange(pool.shape[-1] + 1)).astype(np.int32)
     return jnp.asarray(table)[jnp.clip(n_important, 0, pool.shape[-1])]
-
-
-def spread_keys(valid: jax.Array) -> jax.Array:
-    """[B, L] float32 in [0, 2^24): a fixed pseudo-random key of each token's index among its row's valid
-    tokens (the lowbias32 integer hash, its top 24 bits, so float32 holds it exactly). Independent of
-    padding, layer and head; higher ranks first, like a score."""
-    x = (jnp.cumsum(valid, -1) - 1).astype(jnp.uint32)
-    x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
-    x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
-    x = x ^ (x >> 16)
-    return (x >> 8).astype(jnp.float32)
 
 
 def _ranks(order: jax.Array) -> jax.Array:
@@ -128,8 +111,7 @@ def round_robin_rank(scores: jax.Array, member: jax.Array, group: jax.Array) -> 
     return _ranks(order)
 
 
-def _classes(scores, valid, is_image, n_recent, n_important, *, text_prior, n_sink, image_quota, picture_balance,
-             image_order):
+def _classes(scores, valid, is_image, n_recent, n_important, *, text_prior, n_sink, image_quota, picture_balance):
     """Rank classes [B, H, L] int32 (4 recent, 3 sink, 2 image-quota, 1 text-prior text, 0 other, -1
     padding) and the sink mask [B, L] (module docstring)."""
     b, h, l = scores.shape
@@ -141,9 +123,8 @@ def _classes(scores, valid, is_image, n_recent, n_important, *, text_prior, n_si
     if image_quota is not None:
         pool = valid & ~recent & ~sink  # [B, L] the ranked candidates
         image_pool = jnp.broadcast_to((pool & is_image)[:, None, :], (b, h, l))
-        order_by = scores if image_order == "score" else jnp.broadcast_to(spread_keys(valid)[:, None, :], (b, h, l))
-        rank = (round_robin_rank(order_by, image_pool, picture_ids(is_image)) if picture_balance
-                else within_group_rank(order_by, image_pool))
+        rank = (round_robin_rank(scores, image_pool, picture_ids(is_image)) if picture_balance
+                else within_group_rank(scores, image_pool))
         reserved = rank < image_quota_slots(image_quota, n_important, pool, pool & is_image)[:, None, None]
         cls = jnp.where(image_pool & reserved, 2, cls)  # [B, H, L]
     return cls, sink
@@ -167,7 +148,6 @@ def adaptive_head_slots(
     n_sink: int = 0,
     image_quota: float | str | None = None,
     picture_balance: bool = False,
-    image_order: str = "score",
 ) -> jax.Array:
     """AdaKV's allocation (Feng et al. 2024): each head's ranked slots [B, H] int32.
 
@@ -181,7 +161,7 @@ def adaptive_head_slots(
     b, h, l = scores.shape
     hg = h // groups
     cls, sink = _classes(scores, valid, is_image, n_recent, n_important, text_prior=text_prior, n_sink=n_sink,
-                         image_quota=image_quota, picture_balance=picture_balance, image_order=image_order)
+                         image_quota=image_quota, picture_balance=picture_balance)
     neg_cls, neg_score = _rank_keys(scores, cls, sink)
     pos = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, h, l))
     _, _, order = lax.sort((neg_cls, neg_score, pos), num_keys=3)
@@ -219,7 +199,6 @@ def select_slots(
     keep_all_text: bool = False,
     image_quota: float | str | None = None,
     picture_balance: bool = False,
-    image_order: str = "score",
     head_slots: jax.Array | None = None,
 ) -> Selection:
     """Choose the kept slots of every head (pure; traceable).
@@ -237,15 +216,13 @@ def select_slots(
       image_quota: static; None, a fraction in [0, 1] or PROPORTIONAL: ranked slots reserved for
         the best image tokens of each head (module docstring), floor(q N_b) of the row's N_b.
       picture_balance: static; the quota's slots go round-robin across pictures (module docstring).
-      image_order: static; "score" (the quota takes the best-scored image tokens) or SPREAD (a fixed
-        hashed order, `spread_keys`).
       head_slots: [B, H] int, each head's own ranked slots instead of N_b (`adaptive_head_slots`);
         None: N_b in every head.
     """
     b, h, l = scores.shape
     pos = jnp.arange(l, dtype=jnp.int32)
     cls, sink = _classes(scores, valid, is_image, n_recent, n_important, text_prior=text_prior, n_sink=n_sink,
-                         image_quota=image_quota, picture_balance=picture_balance, image_order=image_order)
+                         image_quota=image_quota, picture_balance=picture_balance)
     neg_cls, neg_score = _rank_keys(scores, cls, sink)
     _, _, order = lax.sort((neg_cls, neg_score, jnp.broadcast_to(pos, (b, h, l))), num_keys=3)
 
