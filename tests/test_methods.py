@@ -141,7 +141,7 @@ def test_get_method():
     shared = get_method("h2o", budget=0.2, recent_share=0.25)
     np.testing.assert_allclose([shared.alpha_recent, shared.alpha_important], [0.05, 0.15])
     assert shared.bucket_slots(100) == (5, 15) and get_method("h2o", budget=0.2).bucket_slots(100) == (10, 10)
-    assert get_method("lookm_quota", budget=0.2).bucket_slots(100) == (5, 15)  # its RECENT_SHARE, 0.25
+    assert get_method("lookm_quota", budget=0.2).bucket_slots(100) == (0, 20)  # its RECENT_SHARE, 0
     assert get_method("snapkv", budget=0.2, recent_share=0.0).bucket_slots(100) == (0, 20)
     assert get_method("lookm", keep_all_text=True, capacity_ratio=0.5).capacity(100) == 50
     for bad, message in ((dict(recent_share=0.5), "recent_share splits a budget: give budget too"),
