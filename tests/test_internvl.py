@@ -6,7 +6,6 @@ Tiles are 56 px in 7 px patches: an 8 x 8 grid, pixel-shuffled to 4 x 4 = 16 tok
 from __future__ import annotations
 
 import json
-import math
 
 import chex
 import jax
@@ -254,7 +253,7 @@ def test_every_method_runs_with_modality_counts_from_the_splice(tiny, chat, name
     method = build(name, {}, budget=0.5)
     result = model.run(ids, pixels, max_new_tokens=NEW_TOKENS, method=method)
     assert result.image_tokens[0] == n_image and result.prompt_lengths[0] == length
-    kept = length if name == "full" else math.floor(method.alpha_recent * length) + math.floor(method.alpha_important * length)
+    kept = length if name == "full" else sum(method.bucket_slots(length))  # the method's own M + N of this prompt
     assert result.kept_image_tokens[0] + result.kept_text_tokens[0] == kept
     if name in ("full", "lookm"):  # full keeps everything; LOOK-M's text prior keeps every text token
         assert result.kept_text_tokens[0] == length - n_image
