@@ -35,8 +35,40 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("kept_selection.py", ["--methods", "h2o", "bogus"], "--methods: unknown method 'bogus'"),
     ("kept_selection.py", ["--tasks", "needle"], "argument --tasks: invalid choice: 'needle'"),
     ("oracle_tokens.py", ["--learning-rate", "0"], "argument --learning-rate: must be a finite number > 0, got 0"),
+    ("accuracy_by_picture.py", ["--jsonl", "/nonexistent/rows.jsonl"], "--jsonl: no such file '/nonexistent/rows.jsonl'"),
+    ("accuracy_by_picture.py", ["--jsonl", "accuracy_by_picture.py"], "--jsonl: "),
+    ("accuracy_by_picture.py", ["--jsonl", "x", "--budgets", "0"], "argument --budgets: budget must be a fraction"),
 ])
 def test_bench_scripts_refuse_bad_arguments(script, argv, message):
     proc = subprocess.run([sys.executable, script, *argv], cwd=BENCH, capture_output=True, text=True, timeout=300)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and message in lines[-1] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_accuracy_by_picture_splits_by_the_named_picture(tmp_path):
+    """Rows marked correct exactly when their question names picture 3 (read from the question's own
+    text) come out 1.0 at picture 3 and 0.0 at every other picture asked about."""
+    import json
+    import re
+
+    from lookm_jax import scenes
+
+    rows = []
+    for sample in range(12):
+        question = scenes.multi_picture_sample("bench", 5, sample, 4, kinds=("picture_shape",)).questions[0]
+        named = int(re.search(r"picture (\d+)", question.text).group(1))
+        rows.append({"seed": 5, "pictures": 4, "task": "picture_shape", "asked": "after compression", "sample": sample,
+                     "prompt_tokens": 300, "label": "H2O", "method": "h2o", "text_prior": "", "merge": "",
+                     "budget": 0.2, "answer": question.answer, "output": "", "correct": named == 3, "fidelity": 1.0})
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "by_picture.json"
+    proc = subprocess.run([sys.executable, "accuracy_by_picture.py", "--jsonl", str(path), "--json", str(out)],
+                          cwd=BENCH, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (result,) = json.loads(out.read_text())
+    named = [int(re.search(r"picture (\d+)", scenes.multi_picture_sample("bench", 5, s, 4, kinds=("picture_shape",))
+                           .questions[0].text).group(1)) for s in range(12)]
+    assert result["questions"] == [named.count(k) for k in (1, 2, 3, 4)] and named.count(3) > 0
+    assert result["accuracy"] == [None if not named.count(k) else float(k == 3) for k in (1, 2, 3, 4)]
+    assert "| H2O | 0.2 | 4 |" in proc.stdout

@@ -308,8 +308,9 @@ def cmd_scenes(args) -> int:
         raise ValueError(f"--pictures must each be in [2, {len(scenes.NUMBERS) - 1}], got {bad}")
     configs = harness.sweep_configs(["full"] if args.mode == "calibrate" else (args.methods or METHODS),
                                     args.budgets or harness.DEFAULT_BUDGETS)
-    if args.compare is not None and args.compare not in {c.label for c in configs}:
-        raise ValueError(f"--compare {args.compare!r} is none of the configs' labels: {sorted(c.label for c in configs)}")
+    labels = sorted({c.label for c in configs})
+    if args.compare is not None and args.compare not in labels:
+        raise ValueError(f"--compare {args.compare!r} is none of the configs' labels: {labels}")
     print(f"scenes {args.mode}: {len(configs)} configs x tasks {' '.join(args.tasks)} x pictures {args.pictures} x "
           f"{args.samples} samples, seed {args.seed}, load average {harness.load_average()}", flush=True)
     if args.report_only:

@@ -19,7 +19,7 @@ class LookMQuota(LookM):
     among seven candidates at 1/5/10% (text-prior with a proportional quota, no merge: the best mean, 0.28
     against H2O's 0.25), then the recent window's share (0.25 of 0.5 / 0.25 / 0.1 / 0), then (session 26)
     the quota and the window together at 1/5/10/20%: a quota of 0.6 without a window had the best mean
-    (0.37; 0.27 / 0.31 / 0.35 / 0.53 against 0.23 / 0.32 / 0.32 / 0.32 for the proportional quota with a
+    (0.36; 0.27 / 0.31 / 0.35 / 0.53 against 0.23 / 0.32 / 0.32 / 0.32 for the proportional quota with a
     quarter window). A picture prompt's last tokens are its last picture, of no more use than the others
     to a question asked later, and the text after each picture (its "Picture k:" marker, the prompt's
     words) carries much of what a later question reads, so a quota that leaves room for it keeps more.
