@@ -5,7 +5,7 @@
 Reads the rows of `lookm eval scenes sweep` (any seed, any number of pictures; no model is loaded) and,
 for the tasks that ask about picture k (colour, shape, position, describe), prints each config's accuracy
 on the questions about picture 1, 2, ..., with their counts. The picture a row asked about is redrawn
-from the row's seed and sample (`scenes.multi_picture_sample`, as the sweep drew it). Accumulated
+from the row's seed and sample (`lookm_jax.eval.scenes.task_sample`, as the sweep drew it). Accumulated
 attention favours early tokens, so a method that ranks by it can keep the first pictures and lose the
 middle ones (`bench/picture_coverage.py` counts the slots).
 """
@@ -26,9 +26,9 @@ TASKS = ("picture_colour", "picture_shape", "picture_position", "describe")
 @functools.cache
 def subject(seed: int, sample: int, pictures: int, task: str) -> int:
     """The 0-based picture the sweep's question `sample` of `task` names."""
-    from lookm_jax import scenes
+    from lookm_jax.eval import scenes as bench
 
-    return scenes.multi_picture_sample("bench", seed, sample, pictures, turns=1, kinds=(task,)).questions[0].subject
+    return bench.task_sample(task, pictures, seed, sample).questions[0].subject
 
 
 def by_picture(rows: list[dict]) -> dict[tuple[str, float, int], list[bool]]:
@@ -56,8 +56,8 @@ def main() -> None:
         rows = bench.harness.read_rows(args.jsonl, bench.ROW_SCHEMA)
     except (OSError, ValueError) as error:
         parser.error(f"--jsonl: {error}")
-    rows = [r for r in rows if (args.budgets is None or r["budget"] in args.budgets or r["label"] == "full")
-            and (args.labels is None or r["label"] in args.labels or r["label"] == "full")]
+    rows = [r for r in rows if r["label"] == "full" or ((args.budgets is None or r["budget"] in args.budgets)
+                                                       and (args.labels is None or r["label"] in args.labels))]
     table = by_picture(rows)
     if not table:
         parser.error(f"{args.jsonl} holds no rows of {', '.join(TASKS)} for these budgets and labels")

@@ -70,7 +70,7 @@ def main() -> None:
             question = after[:, after[0] >= 0]
             length = int(mask.sum())
             image = np.flatnonzero(ids[0] == model.config.image_token_id)  # [pictures x per_picture]
-            drawn = scenes.multi_picture_sample("bench", args.seed, i, args.pictures, turns=1, kinds=(task,)).scenes
+            drawn = bench.task_sample(task, args.pictures, args.seed, i).scenes  # the pictures of `prompt`
             covered = np.concatenate([scenes.patch_coverage(s, size, size // grid)[1:].max(0) for s in drawn])
             keep_random = max(0, round(args.budget * length) - (length - len(image)))
             hand_picked = {RANDOM: rng.choice(len(image), keep_random, replace=False),

@@ -51,15 +51,16 @@ def test_accuracy_by_picture_splits_by_the_named_picture(tmp_path):
     import json
     import re
 
-    from lookm_jax import scenes
+    from lookm_jax.eval import scenes as bench
 
-    rows = []
+    rows, named = [], []
     for sample in range(12):
-        question = scenes.multi_picture_sample("bench", 5, sample, 4, kinds=("picture_shape",)).questions[0]
-        named = int(re.search(r"picture (\d+)", question.text).group(1))
+        question = bench.task_sample("picture_shape", 4, 5, sample).questions[0]
+        named.append(int(re.search(r"picture (\d+)", question.text).group(1)))
         rows.append({"seed": 5, "pictures": 4, "task": "picture_shape", "asked": "after compression", "sample": sample,
                      "prompt_tokens": 300, "label": "H2O", "method": "h2o", "text_prior": "", "merge": "",
-                     "budget": 0.2, "answer": question.answer, "output": "", "correct": named == 3, "fidelity": 1.0})
+                     "budget": 0.2, "answer": question.answer, "output": "", "correct": named[-1] == 3,
+                     "fidelity": 1.0})
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "by_picture.json"
@@ -67,8 +68,6 @@ def test_accuracy_by_picture_splits_by_the_named_picture(tmp_path):
                           cwd=BENCH, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (result,) = json.loads(out.read_text())
-    named = [int(re.search(r"picture (\d+)", scenes.multi_picture_sample("bench", 5, s, 4, kinds=("picture_shape",))
-                           .questions[0].text).group(1)) for s in range(12)]
     assert result["questions"] == [named.count(k) for k in (1, 2, 3, 4)] and named.count(3) > 0
     assert result["accuracy"] == [None if not named.count(k) else float(k == 3) for k in (1, 2, 3, 4)]
     assert "| H2O | 0.2 | 4 |" in proc.stdout

@@ -63,6 +63,12 @@ def is_correct(answer: str, output: str) -> bool:
     return first_word(output) == answer
 
 
+def task_sample(task: str, pictures: int, seed: int, index: int) -> scenes.MultiSample:
+    """Sample `index` of a picture task (not the needle) as the benchmark draws it: `pictures` pictures
+    from the bench split and one question of `task`."""
+    return scenes.multi_picture_sample("bench", seed, index, pictures, turns=1, kinds=(task,))
+
+
 def task_prompts(model, task: str, pictures: int, n: int, seed: int, asked: str = ASKED[0]) -> list[harness.Prompt]:
     """Samples 0 .. n-1 of `task` with `pictures` pictures each, from the bench split, the question
     `asked` in the prompt or after compression (prefilled onto the compressed cache)."""
@@ -87,7 +93,7 @@ def task_prompts(model, task: str, pictures: int, n: int, seed: int, asked: str 
                                       {"depth": s.depth}, after=after))
         return out
     for i in range(n):
-        sample = scenes.multi_picture_sample("bench", seed, i, pictures, turns=1, kinds=(task,))
+        sample = task_sample(task, pictures, seed, i)
         question = sample.questions[0]
         pixels, _ = model.preprocess_images([scenes.render(s, size) for s in sample.scenes])
         text = sample.prompt(question)
