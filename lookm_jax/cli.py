@@ -121,7 +121,9 @@ def cmd_methods(args) -> int:
         for param, default in parameters(name).items():
             print(f"    {param} = {default!r}")
         if issubclass(cls, ScorerMethod):
-            print("    (budget=b sets alpha_recent = alpha_important = b / 2; --budget on the command line)")
+            share = cls.RECENT_SHARE
+            print(f"    (budget=b sets alpha_recent = {share:g} b, alpha_important = {1 - share:g} b; --budget on the "
+                  "command line)")
     return 0
 
 

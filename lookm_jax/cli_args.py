@@ -74,8 +74,8 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
     """--method/--budget/--alpha-recent/--alpha-important/--merge, read back by `method_from_args`."""
     parser.add_argument("--method", default="full", help="KV-cache method (`lookm methods` lists them)")
     parser.add_argument("--budget", type=float,
-                        help="kept fraction of the prompt in (0, 1], split evenly recent/important "
-                             "(default: the method's own alphas)")
+                        help="kept fraction of the prompt in (0, 1], split into recent and important slots by the "
+                             "method's share (`lookm methods`; default: the method's own alphas)")
     parser.add_argument("--alpha-recent", type=float, help="kept fraction for the recent window (default: the method's)")
     parser.add_argument("--alpha-important", type=float,
                         help="kept fraction for the top-scored tokens (default: the method's)")

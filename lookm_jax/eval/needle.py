@@ -249,8 +249,8 @@ def add_parser(subparsers) -> None:
                    help="calibrate: the full cache only, accuracy per length and depth; sweep: every config")
     p.add_argument("--model", type=path_arg, help="model folder or .gguf (default: the embedded SmolLM2 demo model)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 1280],
-                   help="prompt lengths in tokens (the demo's full cache answers >= 80%% with up to 4 pictures: "
-                        "1024 and 1280 at the default image fraction)")
+                   help="prompt lengths in tokens (an early demo's full cache, 256 tokens a picture, answered "
+                        ">= 80%% with up to 4 pictures: 1024 and 1280 at the default image fraction)")
     p.add_argument("--samples", type=int, default=52,
                    help="samples per length, each config answers all (a multiple of --batch-size compiles once)")
     p.add_argument("--budgets", type=float, nargs="+",

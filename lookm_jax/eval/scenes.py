@@ -2,11 +2,11 @@
 
 The benchmark asks MileBench-style multi-picture prompts ("Picture k: <image>" before each of the
 pictures, the question last) drawn from the "bench" split of `lookm_jax.scenes`, one task at a
-time: the colour or the shape of the object in picture k, which picture shows a colour-shape pair,
-how many pictures show a shape, and the magic-number needle of `lookm eval needle` hidden in text
-between real scene pictures. Image tokens are >= 75% of every prompt. It runs on the sweep harness
-(`lookm_jax.eval.harness`): one prefill per batch, resumable JSONL, `--report-only`, the CSV of
-`lookm plot sweep`.
+time: the colour, the shape or the side of the object in picture k, picture k described in words,
+which picture shows a colour-shape pair, how many pictures show a shape, and the magic-number needle
+of `lookm eval needle` hidden in text between real scene pictures. Image tokens are >= 75% of every
+prompt. It runs on the sweep harness (`lookm_jax.eval.harness`): one prefill per batch, resumable
+JSONL, `--report-only`, the CSV of `lookm plot sweep`.
 
 `single_picture_accuracy` is the trained tower's check: held-out single-picture questions, greedy,
 full cache, scored on the first word of the answer.
