@@ -45,19 +45,20 @@ DEMO_VISION = {"model_type": "clip_vision_model", "hidden_size": 192, "intermedi
 DEMO_IMAGE_PROCESSOR = {"size": {"shortest_edge": 112}, "crop_size": {"height": 112, "width": 112}}
 DEMO_VISION_WEIGHTS = os.path.join(os.path.dirname(__file__), "assets", "demo_vision.safetensors")
 DEMO_VISION_NOTE = ("the vision tower and projector come from short training runs here (3000 tower-only steps, 600 "
-                    "through the frozen decoder, then the projector 600 more with the decoder's stage-2 adapters) on "
-                    "procedural scenes of coloured shapes (lookm_jax.scenes): 78% of held-out single-picture questions "
+                    "through the frozen decoder, then the projector 1200 more with the decoder's stage-2 adapters) on "
+                    "procedural scenes of coloured shapes (lookm_jax.scenes): 88% of held-out single-picture questions "
                     "right against ~35% by chance, so they see such shapes but not reliably")
 DEMO_ADAPTERS_WEIGHTS = os.path.join(os.path.dirname(__file__), "assets", "demo_adapters.safetensors")
 # What the demo's decoder is by default: "trained" (stage 2's adapters, `lookm train decoder`, folded into
 # SmolLM2's weights from DEMO_ADAPTERS_WEIGHTS); "frozen" is SmolLM2 as the GGUF holds it.
 DEMO_DECODER = "trained"
 DEMO_DECODER_NOTE = ("SmolLM2-135M-Instruct with stage-2 adapters (`lookm train decoder`) folded into its weights: "
-                     "trained here to answer about 1-16 pictures of coloured shapes, text replayed from the frozen model")
+                     "trained here to answer about 1-16 pictures of coloured shapes, its attention steered onto the "
+                     "object asked about, text replayed from the frozen model")
 DEMO_SEED = 0
 # Bump when the demo's construction or the GGUF conversion changes: the cache is keyed by it and by the
 # GGUF's content (`demo_key`), so a demo of another build or other weights is never silently reused.
-DEMO_BUILD = 9
+DEMO_BUILD = 10
 _MIB = 1 << 20
 
 
