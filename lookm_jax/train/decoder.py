@@ -17,9 +17,10 @@ by step 100.
 
 Optionally (`DecoderConfig.read_weight`), a read loss supervises where the answer looks: in the chosen
 layers, the share of the attention from an answer's position to the picture that lands on the patches of
-the object(s) the answer is about (`Batch.read_mask`). Measured on the shipped demo, at the first answer
+the object(s) the answer is about (`Batch.read_mask`). Measured on DEMO_BUILD 9, at the first answer
 token of a question about one object of several: the heads of layers 19-26 give the named object 0.05-0.21
-of their image attention, for patches that are 0.06 of the picture. docs/RESULTS.md has what supervising it did.
+of their image attention, for patches that are 0.06 of the picture; supervising it (weight 0.2, layers
+8-26) made DEMO_BUILD 10 (docs/RESULTS.md).
 
 Checkpoints, resume and the NaN stop are stage 1's (`lookm_jax.train.runs`): step s's data is
 a pure function of (seed, s), so a killed and resumed run equals an uninterrupted one.
