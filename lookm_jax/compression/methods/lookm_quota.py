@@ -14,7 +14,7 @@ class LookMQuota(LookM):
     the other 40% go to text first), without merging and without a recent window (``RECENT_SHARE`` 0: a
     ``budget`` is all ranked slots; the other methods split it evenly).
 
-    Chosen on held-out scenes (seed 1, 8 pictures, every picture task, the question asked after
+    Chosen on held-out scenes (DEMO_BUILD 9, seed 1, 8 pictures, every picture task, the question asked after
     compression, 120 questions a cell; `docs/RESULTS.md`, "Choosing the composite"): first the method
     among seven candidates at 1/5/10% (text-prior with a proportional quota, no merge: the best mean, 0.28
     against H2O's 0.25), then the recent window's share (0.25 of 0.5 / 0.25 / 0.1 / 0), then (session 26)
@@ -23,6 +23,9 @@ class LookMQuota(LookM):
     quarter window). A picture prompt's last tokens are its last picture, of no more use than the others
     to a question asked later, and the text after each picture (its "Picture k:" marker, the prompt's
     words) carries much of what a later question reads, so a quota that leaves room for it keeps more.
+    Only there: with the question inside the compressed prompt, the missing window evicts the turn's end
+    (question, assistant header) and answers degenerate ("describe picture k", DEMO_BUILD 10: 0.11 / 0.13 /
+    0.45 at 5 / 10 / 20% against H2O's 0.86 / 0.91 / 0.92; `docs/RESULTS.md`, "The question in the prompt").
     Every option of ``LookM`` stays available (e.g. ``merge="averaged", merge_scope="same_modality",
     size_aware=True``).
     """
