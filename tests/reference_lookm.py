@@ -97,6 +97,18 @@ def row_candidates(valid_row, is_image_row, m_b, n_sink):
     return idx, recent, rest, sinks, pool, [j for j in pool if is_image_row[j]]
 
 
+def text_window(valid, is_image, m, n):
+    """Per-row (M, N) lists with the recent window cut to the valid tokens after the row's last image
+    token, the slots it gives up ranked instead."""
+    windows, ranked = [], []
+    for b, (m_b, n_b) in enumerate(zip(m, n)):
+        images = [j for j in range(len(valid[b])) if valid[b, j] and is_image[b, j]]
+        tail = sum(1 for j in range(len(valid[b])) if valid[b, j] and (not images or j > images[-1]))
+        windows.append(min(m_b, tail))
+        ranked.append(n_b + m_b - windows[-1])
+    return windows, ranked
+
+
 def picture_of(is_image_row):
     """{position: its picture} for every image token: pictures are runs of consecutive image tokens,
     numbered from 1 in reading order."""
@@ -291,6 +303,8 @@ def run_method(name, params, q, k, v, is_image, valid, layer=None):
     if split != "uniform":
         n_max = budget(params.get("alpha_important", 0.1), length)
         n = [layer_ranked(x, n_max, *layer, split) for x in n]
+    if params.get("text_window", False):
+        m, n = text_window(valid, is_image, m, n)
     head_n = None
     if params.get("head_split", "adaptive" if name == "adakv" else "uniform") == "adaptive":
         head_n = adaptive_ranked(scores, valid, is_image, m, n, groups=params.get("head_groups") or 1,

@@ -131,6 +131,35 @@ def test_image_quota_matches_reference(image_quota, text_prior, n_sink, picture_
     ref.check_against(out, {bh: (p, k[bh[0], bh[1], p], v[bh[0], bh[1], p]) for bh, p in kept.items()}, atol=0)
 
 
+@pytest.mark.parametrize("image_quota", [None, 0.5])
+def test_text_window_matches_reference(image_quota):
+    """Rows whose last tokens are text (a tail of 3, longer than M; of 1, shorter) or an image token (none)."""
+    k, v, scores, is_image, valid = _case(4, [24, 19, 11])
+    is_image[:, -3:] = False  # row 0: three text tokens after its last picture
+    is_image[0, -4], is_image[1, 17], is_image[1, 18], is_image[2, 10] = True, True, False, True
+    m, n = [2, 3, 2], [6, 5, 3]
+    assert ref.text_window(valid, is_image, m, n) == ([2, 1, 0], [6, 7, 5])
+    out = compress_kv(jnp.asarray(k), jnp.asarray(v), jnp.asarray(scores), is_image=jnp.asarray(is_image),
+                      valid=jnp.asarray(valid), n_recent=np.array(m), n_important=np.array(n),
+                      text_prior=True, image_quota=image_quota, text_window=True)
+    kept = ref.select(scores, valid, is_image, *ref.text_window(valid, is_image, m, n), text_prior=True,
+                      image_quota=image_quota)
+    ref.check_against(out, {bh: (p, k[bh[0], bh[1], p], v[bh[0], bh[1], p]) for bh, p in kept.items()}, atol=0)
+    np.testing.assert_array_equal(np.asarray(out.mask).sum(-1), np.broadcast_to([[8], [8], [5]], (B, H)))
+    if image_quota is None:  # row 2 ends on an image token: a plain window keeps it, the text window ranks it last
+        assert 10 not in np.asarray(out.positions)[2][np.asarray(out.mask)[2]]
+
+
+def test_text_window_without_pictures_is_the_recent_window():
+    k, v, scores, _, valid = _case(5, [24, 15, 6])
+    text = np.zeros_like(valid)
+    kwargs = dict(is_image=jnp.asarray(text), valid=jnp.asarray(valid), n_recent=np.array([3, 2, 1]),
+                  n_important=np.array([4, 4, 2]), text_prior=True)
+    plain = compress_kv(jnp.asarray(k), jnp.asarray(v), jnp.asarray(scores), **kwargs)
+    windowed = compress_kv(jnp.asarray(k), jnp.asarray(v), jnp.asarray(scores), text_window=True, **kwargs)
+    chex.assert_trees_all_equal(plain, windowed)
+
+
 def test_picture_ids_number_runs_of_image_tokens():
     from lookm_jax.compression.select import picture_ids
 

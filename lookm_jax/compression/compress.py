@@ -15,7 +15,7 @@ from lookm_jax.checks import is_int_at_least, is_real
 from lookm_jax.errors import InputError
 from lookm_jax.compression import heads as head_pool
 from lookm_jax.compression.merge import MERGES, merge_evicted
-from lookm_jax.compression.select import PROPORTIONAL, adaptive_head_slots, select_slots
+from lookm_jax.compression.select import PROPORTIONAL, adaptive_head_slots, select_slots, text_window_slots
 
 MERGE_SCOPES = ("any", "same_modality")
 
@@ -64,6 +64,8 @@ class SelectionSpec:
       logit at every later query (`lookm_jax.compression.merge`). Needs merge.
     picture_balance: the image quota's slots go round-robin across the prompt's pictures, each
       picture's best first (`lookm_jax.compression.select`). Needs image_quota.
+    text_window: the recent window holds only the tokens after the last picture, its unused slots
+      ranked instead (`lookm_jax.compression.select`).
     """
 
     text_prior: bool = False
@@ -75,11 +77,12 @@ class SelectionSpec:
     merge_scope: str = "any"
     size_aware: bool = False
     picture_balance: bool = False
+    text_window: bool = False
 
     def __post_init__(self):
         flags = {"text_prior": self.text_prior, "similarity_filter": self.similarity_filter,
                  "keep_all_text": self.keep_all_text, "size_aware": self.size_aware,
-                 "picture_balance": self.picture_balance}
+                 "picture_balance": self.picture_balance, "text_window": self.text_window}
         not_bool = {name: value for name, value in flags.items() if not isinstance(value, (bool, np.bool_))}
         if not_bool:
             raise InputError(f"{', '.join(not_bool)} must be True or False, got {not_bool}")
@@ -133,6 +136,7 @@ def compress_kv(
     merge_scope: str = "any",
     size_aware: bool = False,
     picture_balance: bool = False,
+    text_window: bool = False,
     capacity: int | None = None,
     block: int = 128,
     head_groups: int | None = None,
@@ -158,8 +162,8 @@ def compress_kv(
       keep_all_text: keep every text token even when they exceed N (authors' code); the cache
         then overruns M + N, so give ``capacity`` (S_max); rows beyond it are truncated by rank.
         Requires ``text_prior``. Default off.
-      image_quota, merge_scope, size_aware, picture_balance: see ``SelectionSpec``. Default off / "any" /
-        off / off (the paper's).
+      image_quota, merge_scope, size_aware, picture_balance, text_window: see ``SelectionSpec``. Default
+        off / "any" / off / off / off (the paper's).
       capacity: static S. Default: max over rows of M + N (needs concrete M, N), clipped to L.
       block: static token block of the similarity scan.
       head_groups: None (every head keeps M + N) or G, AdaKV's head-adaptive allocation within each
@@ -171,7 +175,7 @@ def compress_kv(
     capacity, block and the selection spec's fields.
     """
     SelectionSpec(text_prior, merge, n_sink, similarity_filter, keep_all_text, image_quota, merge_scope,
-                  size_aware, picture_balance)  # validates
+                  size_aware, picture_balance, text_window)  # validates
     b, _, length, _ = keys.shape
     if capacity is None:
         capacity = _static_capacity(n_recent, n_important, length)
@@ -181,7 +185,8 @@ def compress_kv(
         keys, values, scores, is_image, valid, n_recent, n_important,
         capacity=int(capacity), text_prior=text_prior, merge=merge, n_sink=n_sink,
         similarity_filter=similarity_filter, keep_all_text=keep_all_text, image_quota=image_quota,
-        merge_scope=merge_scope, size_aware=size_aware, picture_balance=picture_balance, block=block,
+        merge_scope=merge_scope, size_aware=size_aware, picture_balance=picture_balance, text_window=text_window,
+        block=block,
         head_groups=head_groups, head_floor=head_floor,
     )
 
@@ -189,13 +194,15 @@ def compress_kv(
 @functools.partial(
     jax.jit,
     static_argnames=("capacity", "text_prior", "merge", "n_sink", "similarity_filter", "keep_all_text",
-                     "image_quota", "merge_scope", "size_aware", "picture_balance", "block", "head_groups",
-                     "head_floor"),
+                     "image_quota", "merge_scope", "size_aware", "picture_balance", "text_window", "block",
+                     "head_groups", "head_floor"),
 )
 def _compress(keys, values, scores, is_image, valid, n_recent, n_important, *, capacity, text_prior, merge,
-              n_sink, similarity_filter, keep_all_text, image_quota, merge_scope, size_aware, picture_balance, block,
-              head_groups, head_floor) -> CompressedKV:
+              n_sink, similarity_filter, keep_all_text, image_quota, merge_scope, size_aware, picture_balance,
+              text_window, block, head_groups, head_floor) -> CompressedKV:
     b, h, length, _ = keys.shape
+    if text_window:
+        n_recent, n_important = text_window_slots(valid, is_image, n_recent, n_important)  # [B] each
     head_slots, per_head_capacity = None, capacity
     if head_groups is not None:
         if keep_all_text or h % head_groups:

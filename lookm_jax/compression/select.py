@@ -23,6 +23,11 @@ round-robin across the prompt's pictures (contiguous runs of image tokens): ever
 pool token first (by score, then position), then every picture's second best, and so on. Accumulated
 attention favours early tokens (more queries see them), so without it the first pictures take most
 of the quota and the last ones keep none (docs/RESULTS.md).
+
+A text window (not in the paper) keeps the recent window off the pictures: it holds only the
+valid tokens after the row's last image token (in a chat prompt, the turn's text after its last
+picture: a question and the assistant's header when the prompt has them), at most M_b of them; the
+window slots it leaves unused join the ranked N_b (`text_window_slots`).
 """
 
 from __future__ import annotations
@@ -58,6 +63,17 @@ def count_from_end(valid: jax.Array) -> jax.Array:
 def recent_mask(valid: jax.Array, n_recent: jax.Array) -> jax.Array:
     """[B, L] bool: the last ``n_recent[b]`` valid tokens of each row (n_recent: [B] int)."""
     return valid & (count_from_end(valid) <= n_recent[:, None])
+
+
+def text_window_slots(valid: jax.Array, is_image: jax.Array, n_recent: jax.Array,
+                      n_important: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(window, ranked) [B] int32 of a text window: the window cut to the valid tokens after the row's
+    last image token (all of a row without one), the slots it gives up added to the ranked ones, so
+    their sum stays M_b + N_b. valid, is_image: [B, L] bool; n_recent, n_important: [B] int."""
+    images_from = jnp.flip(jnp.cumsum(jnp.flip(valid & is_image, -1), -1), -1)  # [B, L] image tokens at >= j
+    tail = (valid & (images_from == 0)).sum(-1, dtype=jnp.int32)  # [B]
+    window = jnp.minimum(n_recent, tail)
+    return window, n_important + n_recent - window
 
 
 def image_quota_slots(quota: float | str, n_important: jax.Array, pool: jax.Array, image_pool: jax.Array) -> jax.Array:

@@ -34,6 +34,7 @@ class LookM(ScorerMethod):
     merge_scope: str = "any"  # "same_modality": merge image into image, text into text; paper: "any"
     size_aware: bool = False  # slots carry log(tokens merged in), added to their attention logits; paper: False
     picture_balance: bool = False  # the image quota's slots go round-robin across pictures; paper: False
+    text_window: bool = False  # the recent window holds only the text after the last picture; paper: False
 
     def __post_init__(self):
         super().__post_init__()
@@ -48,7 +49,8 @@ class LookM(ScorerMethod):
         return SelectionSpec(text_prior=self.text_prior, merge=self.merge, n_sink=self.n_sink,
                              similarity_filter=self.similarity_filter, keep_all_text=self.keep_all_text,
                              image_quota=self.image_quota, merge_scope=self.merge_scope,
-                             size_aware=self.size_aware, picture_balance=self.picture_balance)
+                             size_aware=self.size_aware, picture_balance=self.picture_balance,
+                             text_window=self.text_window)
 
     def capacity(self, bucket_len: int) -> int:
         if not self.keep_all_text:
