@@ -355,7 +355,8 @@ def test_kept_per_picture_counts_every_kept_image_slot(tiny):
     ids = image_ids(per_image, [3, 4, "img", 5, 6, 7, "img", 8, 9, 10, 11])[None]
     pixels = np.random.default_rng(0).standard_normal((2, 3, 30, 30)).astype(np.float32)
     valid = np.ones(ids.shape, bool)
-    method = get_method("lookm_quota", budget=0.5, recent_share=0.25, image_quota="proportional", picture_balance=True)
+    method = get_method("lookm_quota", budget=0.5, recent_share=0.25, image_quota="proportional", picture_balance=True,
+                        text_window=False)  # a plain window, over picture 2's last tokens
     kept = analysis.kept_per_picture(tiny, ids, pixels, valid, method)  # [N, 1, Hkv, 2]
     n_recent, n_important = (int(x[0]) for x in method.budgets(jnp.asarray(valid)))
     is_image = ids[0] == tiny.config.image_token_id
