@@ -65,8 +65,8 @@ def test_gqa_matches_reference(name, params, hkv):
 @given(seed=st.integers(0, 2**31 - 1), lengths=st.lists(st.integers(1, L), min_size=2, max_size=2))
 def test_budget_and_padding(name, seed, lengths):
     """Exactly min(M + N, L_b) kept per head (all L_b for full; head-adaptive: twice that over the two
-    heads), the always-kept tail (a text window: of text after the last picture) is kept, padding is never kept, and garbage at padded positions
-    changes nothing (never attended)."""
+    heads), the always-kept tail (a text window's: the text after the last picture) is kept, padding is
+    never kept, and garbage at padded positions changes nothing (never attended)."""
     method = _default(name)
     q, k, v, is_image, valid = ref.make_inputs(seed, length=L, lengths=lengths)
     out = _run(method, q, k, v, is_image, valid)
@@ -143,7 +143,7 @@ def test_get_method():
     shared = get_method("h2o", budget=0.2, recent_share=0.25)
     np.testing.assert_allclose([shared.alpha_recent, shared.alpha_important], [0.05, 0.15])
     assert shared.bucket_slots(100) == (5, 15) and get_method("h2o", budget=0.2).bucket_slots(100) == (10, 10)
-    assert get_method("lookm_quota", budget=0.2).bucket_slots(100) == (10, 10)  # the window: text after the last picture
+    assert get_method("lookm_quota", budget=0.2).bucket_slots(100) == (10, 10)  # half: its text window
     assert get_method("snapkv", budget=0.2, recent_share=0.0).bucket_slots(100) == (0, 20)
     assert get_method("lookm", keep_all_text=True, capacity_ratio=0.5).capacity(100) == 50
     for bad, message in ((dict(recent_share=0.5), "recent_share splits a budget: give budget too"),

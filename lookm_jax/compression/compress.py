@@ -186,8 +186,7 @@ def compress_kv(
         capacity=int(capacity), text_prior=text_prior, merge=merge, n_sink=n_sink,
         similarity_filter=similarity_filter, keep_all_text=keep_all_text, image_quota=image_quota,
         merge_scope=merge_scope, size_aware=size_aware, picture_balance=picture_balance, text_window=text_window,
-        block=block,
-        head_groups=head_groups, head_floor=head_floor,
+        block=block, head_groups=head_groups, head_floor=head_floor,
     )
 
 

@@ -70,8 +70,7 @@ def text_window_slots(valid: jax.Array, is_image: jax.Array, n_recent: jax.Array
     """(window, ranked) [B] int32 of a text window: the window cut to the valid tokens after the row's
     last image token (all of a row without one), the slots it gives up added to the ranked ones, so
     their sum stays M_b + N_b. valid, is_image: [B, L] bool; n_recent, n_important: [B] int."""
-    images_from = jnp.flip(jnp.cumsum(jnp.flip(valid & is_image, -1), -1), -1)  # [B, L] image tokens at >= j
-    tail = (valid & (images_from == 0)).sum(-1, dtype=jnp.int32)  # [B]
+    tail = (valid & (count_from_end(valid & is_image) == 0)).sum(-1, dtype=jnp.int32)  # [B] no image token at >= j
     window = jnp.minimum(n_recent, tail)
     return window, n_important + n_recent - window
 
