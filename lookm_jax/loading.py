@@ -58,7 +58,7 @@ DEMO_DECODER_NOTE = ("SmolLM2-135M-Instruct with stage-2 adapters (`lookm train 
 DEMO_SEED = 0
 # Bump when the demo's construction or the GGUF conversion changes: the cache is keyed by it and by the
 # GGUF's content (`demo_key`), so a demo of another build or other weights is never silently reused.
-DEMO_BUILD = 10
+DEMO_BUILD = 11
 _MIB = 1 << 20
 
 
