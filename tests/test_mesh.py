@@ -18,7 +18,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_mesh_checks_pass_on_4_host_devices():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", HF_HUB_OFFLINE="1")
+    flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+    env = dict(os.environ, XLA_FLAGS=flags, HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
                            os.path.join(HERE, "mesh_check.py")],
                           cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True, timeout=900)
