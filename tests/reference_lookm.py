@@ -295,7 +295,7 @@ def run_method(name, params, q, k, v, is_image, valid, layer=None):
         text_prior = params.get("text_prior", True)
         mode = params.get("merge", "pivotal" if name == "lookm" else None)
         if name == "lookm_quota":
-            params = {"image_quota": 0.4, "picture_balance": True, "text_window": True, **params}
+            params = {"image_quota": 0.5, "picture_balance": True, "text_window": True, **params}
         n_sink = params.get("n_sink", 0)
     else:
         raise ValueError(name)

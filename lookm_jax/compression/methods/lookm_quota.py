@@ -9,8 +9,8 @@ from lookm_jax.compression.methods.lookm import LookM
 
 @dataclasses.dataclass(frozen=True)
 class LookMQuota(LookM):
-    """Text-prior LOOK-M whose ranked slots reserve 40% for image tokens, handed out round-robin over the
-    pictures (``image_quota=0.4, picture_balance=True``; the other 60% go to text first), a recent
+    """Text-prior LOOK-M whose ranked slots reserve half for image tokens, handed out round-robin over the
+    pictures (``image_quota=0.5, picture_balance=True``; the other half go to text first), a recent
     window over the text after the last picture only (``text_window=True``; half the budget, its unused
     slots ranked), and no merging.
 
@@ -22,16 +22,14 @@ class LookMQuota(LookM):
     (question in the prompt: 0.55 / 0.68 / 0.73 / 0.72 at 1 / 5 / 10 / 20% against 0.19 / 0.24 / 0.30 /
     0.38 without a window; full 0.72) and holds only the prompt's last line break when the question comes
     after compression, and with it a quota of 0.5 and picture balance (question after compression: 0.23 /
-    0.45 / 0.62 / 0.66 against 0.23 / 0.36 / 0.46 / 0.65 for quota 0.6 unbalanced; full 0.72); on DEMO_BUILD
-    11 (session 33, held-out seeds 1 and 2, 240 questions a cell each) a quota of 0.4 instead of 0.5
-    (+0.00 at 1%; -0.03 / +0.04 / +0.03 and +0.04 / +0.06 / +0.02, +- 0.01-0.02, at 5 / 10 / 20%). A picture
+    0.45 / 0.62 / 0.66 against 0.23 / 0.36 / 0.46 / 0.65 for quota 0.6 unbalanced; full 0.72). A picture
     prompt's last tokens are its last picture, of no more use than the others to a question asked later,
     and the text after each picture (its "Picture k:" marker, the prompt's words) carries much of what a
     later question reads, so a quota that leaves room for it keeps more. Every option of ``LookM`` stays
     available (e.g. ``merge="averaged", merge_scope="same_modality", size_aware=True``).
     """
 
-    image_quota: float | str | None = 0.4
+    image_quota: float | str | None = 0.5
     picture_balance: bool = True
     text_window: bool = True
     merge: str | None = None
