@@ -25,7 +25,9 @@ import numpy as np
 
 from lookm_jax.cache import KVCache
 from lookm_jax.checks import is_real
+from lookm_jax.compression import reconstruction
 from lookm_jax.compression.methods.base import LayerIndex
+from lookm_jax.compression.scoring import RECONSTRUCTION
 from lookm_jax.errors import InputError, PromptTooLongError
 from lookm_jax.models import llama, llava
 from lookm_jax.models.config import LlamaConfig, LlavaConfig
@@ -109,21 +111,44 @@ def prefill_context(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax
     return cache, is_image
 
 
+def _encode_prompt(cfg, params, input_ids, valid, pixel_values, statistics: tuple[str, ...], on_layer):
+    """Embed (images spliced) and encode a right-padded prompt, every layer's q/k/v [B, H, L, D] and
+    statistics handed to ``on_layer`` (`llama.encode`) -> (final-normed h [B, L, H], the hook's outputs,
+    is_image [B, L], next position [B]). When ``statistics`` ask for ``RECONSTRUCTION``, the prompt
+    is encoded twice over (`lookm_jax.compression.reconstruction`) and the hook and h see the first
+    copy only, as a plain prefill's."""
+    x, is_image = llava.embed(cfg, params, input_ids, pixel_values)
+    positions, next_position = llava.rope_positions(cfg, input_ids, valid, pixel_values)  # [(3,) B, L], [B]
+    text_cfg = llava.text_config(cfg)
+    if RECONSTRUCTION not in statistics:
+        h, kept = llama.encode(text_cfg, params["text"], x, valid, statistics, on_layer, positions)
+        return h, kept, is_image, next_position
+    length = x.shape[1]
+    x2, _, valid2, positions2, query_masks = reconstruction.doubled_prompt(x, is_image, valid, positions,
+                                                                           next_position)
+
+    def first_copy(q, k, v, stats, index):
+        cut = {name: stat[..., :length] for name, stat in stats.items()}
+        return on_layer(q[:, :, :length], k[:, :, :length], v[:, :, :length], cut, index)
+
+    h, kept = llama.encode(text_cfg, params["text"], x2, valid2, statistics, first_copy, positions2, query_masks)
+    return h[:, :length], kept, is_image, next_position
+
+
 def _compressed_prompt(cfg, params, input_ids, valid, pixel_values, method, room: int):
     """Embed (images spliced) and encode a prompt, compressing every layer's K/V inside the layer
     loop -> (final-normed h [B, L, H], cache of capacity method.capacity(L) + room, is_image [B, L])."""
-    x, is_image = llava.embed(cfg, params, input_ids, pixel_values)
-
-    text_cfg = llava.text_config(cfg)
+    num_layers = llava.text_config(cfg).num_layers
+    is_image = llava.image_mask(cfg, input_ids)
 
     def compress(q, k, v, stats, index):  # one layer, inside the layer loop: [B, Hkv, kept, D] slots (or a pool)
-        kept = method(q, k, v, is_image, valid, stats=stats, layer=LayerIndex(index, text_cfg.num_layers))
+        kept = method(q, k, v, is_image, valid, stats=stats, layer=LayerIndex(index, num_layers))
         return kept.keys.astype(k.dtype), kept.values.astype(v.dtype), kept.positions, kept.log_counts, kept.heads
 
-    positions, next_position = llava.rope_positions(cfg, input_ids, valid, pixel_values)  # [(3,) B, L], [B]
-    h, kept = llama.encode(text_cfg, params["text"], x, valid, method.statistics, compress, positions)
+    h, kept, is_image, next_position = _encode_prompt(cfg, params, input_ids, valid, pixel_values, method.statistics,
+                                                      compress)
     keys, values, kept_positions, log_counts, heads = kept  # [N, B, Hkv, kept(, D)]
-    layer_slots = method.layer_capacities(x.shape[1], text_cfg.num_layers)
+    layer_slots = method.layer_capacities(input_ids.shape[1], num_layers)
     cache = constrain_cache(  # placed as on the mesh, if any
         KVCache.from_prompt(keys, values, kept_positions, next_position, room, log_counts, layer_slots, heads))
     return h, cache, is_image
@@ -255,11 +280,10 @@ def prefill_states(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax.
     """Encode a right-padded prompt once and keep its uncompressed per-layer K/V.
 
     input_ids/valid [B, L_bucket], pixel_values [n_images, C, H, W] or None. Static: cfg, statistics
-    (names from `lookm_jax.compression.scoring.STATISTICS`, accumulated by the prefill attention as in `prefill`),
-    window (W, the last queries kept per row; `query_window` says what a method needs), sampling.
+    (names from `lookm_jax.compression.scoring.KNOWN_STATISTICS`, accumulated by the prefill attention as in
+    `prefill`; the reconstruction statistic encodes the prompt twice over, as there), window (W, the last queries kept per row; `query_window` says what a method needs), sampling.
     """
-    x, is_image = llava.embed(cfg, params, input_ids, pixel_values)
-    length = x.shape[1]
+    length = input_ids.shape[1]
     w = min(window, length)
     window_positions = jnp.maximum(jax.lax.top_k(jnp.where(valid, jnp.arange(length), -1), w)[0], 0)  # [B, W]
 
@@ -267,9 +291,8 @@ def prefill_states(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax.
         q_window = jnp.take_along_axis(q, window_positions[:, None, :, None], axis=2)  # [B, Hq, W, D]
         return k, v, stats, q_window
 
-    positions, next_position = llava.rope_positions(cfg, input_ids, valid, pixel_values)
-    h, (keys, values, stats, window_queries) = llama.encode(llava.text_config(cfg), params["text"], x, valid,
-                                                            statistics, keep, positions)
+    h, (keys, values, stats, window_queries), is_image, next_position = _encode_prompt(
+        cfg, params, input_ids, valid, pixel_values, statistics, keep)
     logits = llama.lm_logits(params["text"], last_valid(h, valid.sum(axis=1)))
     first = sample(logits, jax.random.fold_in(key, 0), sampling)
     return Prefilled(first=first, keys=keys, values=values, stats=stats, window_queries=window_queries,

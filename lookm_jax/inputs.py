@@ -17,6 +17,7 @@ import numpy as np
 
 from lookm_jax import generate as gen
 from lookm_jax.checks import as_int, is_int_at_least
+from lookm_jax.compression.scoring import RECONSTRUCTION
 from lookm_jax.errors import MAX_SEED, PARAM_DTYPES, InputError, PromptTooLongError
 from lookm_jax.models import llava
 
@@ -132,6 +133,16 @@ def check_context(text_config, length: int, max_new_tokens: int, ignore_context_
             "ignore_context_limit=True (`lookm generate --ignore-context-limit`) to run past it deliberately")
 
 
+def check_read_twice(text_config, length: int, ignore_context_limit: bool) -> None:
+    """A prefill that reads the prompt twice over (scores="reconstruction") numbers 2 x length positions."""
+    limit = text_config.max_position_embeddings
+    if 2 * length > limit and not ignore_context_limit:
+        raise InputError(
+            f"scores='reconstruction' reads a prompt of {length} tokens twice over: {2 * length} positions exceed the "
+            f"model's context length ({limit}, max_position_embeddings); use a prompt of at most {limit // 2} tokens, "
+            "attention scores, or ignore_context_limit=True to run past it deliberately")
+
+
 def forward_ids(model, input_ids, attention_mask=None, ignore_context_limit: bool = False):
     """ids of a forward pass without generation (logits, attention statistics): `token_ids`, and a
     length that fits the buckets and the context. -> (ids [B, L] int32, mask [B, L] bool)."""
@@ -186,6 +197,8 @@ def prepare(model, input_ids, pixels, attention_mask, max_new_tokens: int, metho
     lengths = mask.sum(1)
     check_bucket(int(lengths.max()), model.buckets)
     check_context(model.text_config, int(lengths.max()), max_new_tokens, ignore_context_limit)
+    if any(RECONSTRUCTION in method.statistics for method in methods):
+        check_read_twice(model.text_config, int(lengths.max()), ignore_context_limit)
     for method in methods:
         method.check_prompt_lengths(lengths)
     ids, valid = gen.pack_prompts(ids, mask, model.buckets)

@@ -18,7 +18,7 @@ from lookm_jax import generate as gen, inputs
 from lookm_jax.cache import KVCache
 from lookm_jax.checks import is_int_at_least
 from lookm_jax.errors import InputError
-from lookm_jax.compression.scoring import STATISTICS
+from lookm_jax.compression.scoring import KNOWN_STATISTICS
 
 
 def generate_methods(model, input_ids, pixel_values=None, attention_mask=None, max_new_tokens: int = 32, *,
@@ -51,7 +51,7 @@ def generate_methods(model, input_ids, pixel_values=None, attention_mask=None, m
     sampling = gen.Sampling()
     prefilled = gen.prefill_states(
         model.config, model.params, jnp.asarray(prompt.ids), jnp.asarray(prompt.valid), prompt.pixel_values, key,
-        statistics=tuple(s for s in STATISTICS if any(s in m.statistics for m in methods)),
+        statistics=tuple(s for s in KNOWN_STATISTICS if any(s in m.statistics for m in methods)),
         window=max(1, *(gen.query_window(m, bucket) for m in methods)), sampling=sampling)
     by_layout: dict[tuple, list[int]] = {}
     for i, m in enumerate(methods):

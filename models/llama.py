@@ -31,7 +31,7 @@ import numpy as np
 from lookm_jax.cache import KVCache
 from lookm_jax.models.config import LlamaConfig, RopeConfig
 from lookm_jax.models.layers import rms_norm
-from lookm_jax.compression.scoring import column_stats_of_block
+from lookm_jax.compression.scoring import accumulate, check_statistics, column_stats_of_block
 
 # Query block of the prefill attention: scores are [B, Hq, block, <=L], never [B, Hq, L, L].
 ATTENTION_BLOCK = 256
@@ -177,8 +177,8 @@ def _query_groups(n_blocks: int) -> list[tuple[int, int]]:
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
-                     block: int = ATTENTION_BLOCK,
-                     statistics: tuple[str, ...] = ()) -> tuple[jax.Array, dict[str, jax.Array]]:
+                     block: int = ATTENTION_BLOCK, statistics: tuple[str, ...] = (),
+                     query_masks: dict[str, jax.Array] | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Causal self-attention over a padded prompt, one query block per step of a compiled loop.
 
     q [B, Hq, L, D], k/v [B, Hkv, L, D], valid [B, L] (padding keys are never attended). The query
@@ -187,9 +187,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
     program's size does not depend on L, and memory is O(L x block): one block's
     [B, Hq, block, <= L] probabilities at a time.
 
-    ``statistics`` (static; names from ``lookm_jax.compression.scoring.STATISTICS``) are accumulated from the
-    same softmax rows over the valid queries, which is all that eq. 4 scoring needs: a method that
-    declares them costs no second attention pass. Returns (out [B, Hq, L, D],
+    ``statistics`` (static; names from ``lookm_jax.compression.scoring.KNOWN_STATISTICS``) are accumulated
+    from the same softmax rows over the valid queries (or, per statistic, those of ``query_masks``
+    {name: [B, L] bool}), which is all that eq. 4 scoring needs: a method that declares them costs
+    no second attention pass. Returns (out [B, Hq, L, D],
     {name: [B, Hkv, G, L] fp32}), the dict empty when no statistics are asked for.
     """
     b, hq, length, d = q.shape
@@ -199,7 +200,12 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
     pad = n_blocks * block - length
     q_blocks = jnp.pad(q, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(b, hq, n_blocks, block, d)
     q_blocks = q_blocks.transpose(2, 0, 1, 3, 4)  # [n_blocks, B, Hq, block, D]
-    q_ok = jnp.pad(valid, ((0, 0), (0, pad))).reshape(b, n_blocks, block).transpose(1, 0, 2)  # [n_blocks, B, block]
+    check_statistics(statistics, query_masks)
+
+    def blocks(mask):  # [B, L] -> [n_blocks, B, block]
+        return jnp.pad(mask, ((0, 0), (0, pad))).reshape(b, n_blocks, block).transpose(1, 0, 2)
+
+    counted = {name: blocks((query_masks or {}).get(name, valid)) for name in statistics}
     stats = {name: jnp.zeros((b, hkv, hq // hkv, length), jnp.float32) for name in statistics}
     outs = []
     for first, stop in _query_groups(n_blocks):
@@ -208,19 +214,20 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
         key_ok = valid[:, None, None, None, :end]
 
         def step(stats, inputs, end=end, k_pre=k_pre, v_pre=v_pre, key_ok=key_ok):
-            index, q_blk, ok = inputs  # q_blk [B, Hq, block, D], ok [B, block]
+            index, q_blk, ok = inputs  # q_blk [B, Hq, block, D], ok {name: [B, block]}
             causal = index * block + jnp.arange(block)[:, None] >= jnp.arange(end)[None, :]  # [block, end]
             weights, total = _softmax_parts(q_blk, k_pre, causal & key_ok)  # [B, Hkv, G, block, end | 1]
             if statistics:
                 for name, col in column_stats_of_block(weights / total, ok, statistics).items():
-                    stats[name] = stats[name].at[..., :end].add(col)
+                    stats[name] = stats[name].at[..., :end].set(accumulate(name, stats[name][..., :end], col))
             return stats, _normalised_mix(weights, total, v_pre)
 
         # Rematerialised under autodiff: a backward pass (training) keeps each block's q/k/v, not its
         # [B, Hq, block, end] probabilities, which for 30 layers of a 1408-token prompt came to GBs.
         # A forward pass compiles the same program either way.
         step = jax.checkpoint(step, prevent_cse=False)
-        stats, out = jax.lax.scan(step, stats, (jnp.arange(first, stop), q_blocks[first:stop], q_ok[first:stop]))
+        ok = {name: mask[first:stop] for name, mask in counted.items()}
+        stats, out = jax.lax.scan(step, stats, (jnp.arange(first, stop), q_blocks[first:stop], ok))
         outs.append(out)  # [stop - first, B, Hq, block, D]
     out = jnp.concatenate(outs).transpose(1, 2, 0, 3, 4).reshape(b, hq, n_blocks * block, d)
     return out[:, :, :length], stats
@@ -280,7 +287,7 @@ def embed_tokens(params: dict, ids: jax.Array) -> jax.Array:
 
 
 def encode(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array, statistics: tuple[str, ...] = (),
-           on_layer=None, positions: jax.Array | None = None):
+           on_layer=None, positions: jax.Array | None = None, query_masks: dict[str, jax.Array] | None = None):
     """Run the decoder over a right-padded prompt, handing every layer's attention to a hook.
 
     x [B, L, H] embeddings, valid [B, L]. In every layer, ``on_layer(q, k, v, stats, index)`` gets the
@@ -290,7 +297,8 @@ def encode(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array, stati
     what the caller keeps of the layer (any pytree; None keeps nothing). The layers run as one
     `lax.scan`, so only one layer's q/k/v is alive at a time. Returns (final-normed h [B, L, H],
     the hook's outputs stacked on a leading layer axis N). ``positions``: RoPE positions [B, L] or
-    M-RoPE's [3, B, L] (`rope_tables`); None: 0 .. L-1 in every row.
+    M-RoPE's [3, B, L] (`rope_tables`); None: 0 .. L-1 in every row. ``query_masks``: the queries each
+    statistic counts (`causal_attention`).
     """
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(x.shape[1]), valid.shape)
@@ -301,7 +309,7 @@ def encode(cfg: LlamaConfig, params: dict, x: jax.Array, valid: jax.Array, stati
     def layer(h, index):
         lp = jax.lax.switch(index, branches)  # one layer's weights (the layers are separate arrays)
         q, k, v = project_qkv(cfg, lp, h, cos, sin)
-        attn, stats = causal_attention(q, k, v, valid, statistics=statistics)
+        attn, stats = causal_attention(q, k, v, valid, statistics=statistics, query_masks=query_masks)
         kept = None if on_layer is None else on_layer(q, k, v, stats, index)
         return finish_layer(cfg, lp, h, attn), kept
 

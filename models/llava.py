@@ -91,6 +91,11 @@ def text_config(cfg) -> LlamaConfig:
     return cfg.text if is_multimodal(cfg) else cfg
 
 
+def image_mask(cfg, input_ids: jax.Array) -> jax.Array:
+    """[B, L] bool: the image placeholders of input_ids (none for a text-only config)."""
+    return input_ids == cfg.image_token_id if is_multimodal(cfg) else jnp.zeros(input_ids.shape, bool)
+
+
 def embed(cfg, params: dict, input_ids: jax.Array,
           pixel_values: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """input_ids [B, L] (one placeholder per image feature) -> (x [B, L, H], is_image [B, L]).
@@ -100,9 +105,9 @@ def embed(cfg, params: dict, input_ids: jax.Array,
     may pad pixel_values with trailing pictures that fill no placeholder). A text-only
     (llama) config gives an all-False `is_image`.
     """
+    is_image = image_mask(cfg, input_ids)
     if not is_multimodal(cfg):
-        return llama.embed_tokens(params["text"], input_ids), jnp.zeros(input_ids.shape, bool)
-    is_image = input_ids == cfg.image_token_id
+        return llama.embed_tokens(params["text"], input_ids), is_image
     # Placeholders never index the table (original-layout ids are -200, which would wrap around).
     x = llama.embed_tokens(params["text"], jnp.where(is_image, 0, input_ids))
     if pixel_values is None:

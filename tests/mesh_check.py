@@ -38,12 +38,14 @@ IMAGE = 255
 MESHES = {"2x2": (2, 2), "4x1": (4, 1)}  # data x model
 # LOOK-M: pivotal merge. AdaKV: its heads allocated within the 2 head groups a 2-way "model" axis
 # holds (on one device too, so the caches agree), at a budget whose pool (2 x 32 slots) is BUCKET long.
+# The composite scored by context reconstruction: its prefill encodes the prompt twice over.
 RUN_METHODS = {"full": get_method("full"), "lookm": get_method("lookm", budget=0.4),
-               "adakv": get_method("adakv", budget=0.5, head_groups=2)}
-# Each pair costs a prefill + decode compile: LOOK-M on both meshes, the full cache and AdaKV on 2x2.
-MESH_RUNS = [("2x2", "full"), ("2x2", "lookm"), ("4x1", "lookm"), ("2x2", "adakv")]
+               "adakv": get_method("adakv", budget=0.5, head_groups=2),
+               "reconstruction": get_method("lookm_quota", budget=0.4, scores="reconstruction")}
+# Each pair costs a prefill + decode compile: LOOK-M on both meshes, the others on 2x2.
+MESH_RUNS = [("2x2", "full"), ("2x2", "lookm"), ("4x1", "lookm"), ("2x2", "adakv"), ("2x2", "reconstruction")]
 KEPT = RUN_METHODS["lookm"].capacity(BUCKET)  # 24
-# (2 x BUCKET: AdaKV's one ranking over a head group's candidates)
+# (2 x BUCKET: AdaKV's one ranking over a head group's candidates, and the prompt encoded twice over)
 PER_HEAD_LENGTHS = {BUCKET, KEPT, KEPT + NEW, BUCKET + NEW, 2 * BUCKET}
 COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%\S+ = (?P<shape>.+?) "
                         r"(?P<op>all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")

@@ -38,6 +38,17 @@ def attention_scores(q, k, valid):
     return _group_mean(attention_probs(q, k, valid).sum(2), k.shape[1])
 
 
+def reconstruction_maxima(q, k, valid, second):
+    """KVzip: R[b, hq, j] = max over the second copy's queries i (second[b, i]) of P[b, hq, i, j]. [B, Hq, L]."""
+    return np.where(second[:, None, :, None], attention_probs(q, k, valid), 0.0).max(2)
+
+
+def reconstruction_scores(q, k, valid, second, length):
+    """The reconstruction maxima of the first `length` tokens, max over each KV group's query heads. [B, Hkv, length]."""
+    r = reconstruction_maxima(q, k, valid, second)[..., :length]
+    return r.reshape(r.shape[0], k.shape[1], -1, length).max(2)
+
+
 def mean_std(q, k, valid):
     """RoCo: mean and std of P[i, j] over the valid queries i >= j, per head, then group mean."""
     p = attention_probs(q, k, valid)
@@ -262,9 +273,10 @@ def layer_ranked(n, n_max, layer, num_layers, weights):
     return min(share(n), share(n_max))
 
 
-def run_method(name, params, q, k, v, is_image, valid, layer=None):
+def run_method(name, params, q, k, v, is_image, valid, layer=None, doubled=None):
     """Reference of a registry method: {(b, h): (positions, keys, values)}, and the slots' log token
-    counts last with size_aware. layer: (index, count) for a per-layer split."""
+    counts last with size_aware. layer: (index, count) for a per-layer split. doubled: (q, k, valid,
+    second) of the prompt encoded twice over, for scores="reconstruction"."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     valid, is_image = np.asarray(valid), np.asarray(is_image)
     b_, h_, length, _ = k.shape
@@ -291,7 +303,10 @@ def run_method(name, params, q, k, v, is_image, valid, layer=None):
         window = m if w is None else [w] * b_
         scores = window_scores(q, k, valid, window, m, params.get("kernel_size", 7), params.get("pooling", "max"))
     elif name in ("lookm", "lookm_quota"):
-        scores = attention_scores(q, k, valid)
+        if params.get("scores", "attention") == "reconstruction":
+            scores = reconstruction_scores(*(np.asarray(x, np.float64) for x in doubled[:2]), *doubled[2:], length)
+        else:
+            scores = attention_scores(q, k, valid)
         text_prior = params.get("text_prior", True)
         mode = params.get("merge", "pivotal" if name == "lookm" else None)
         if name == "lookm_quota":

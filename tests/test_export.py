@@ -52,6 +52,14 @@ def test_prefill_and_decode_export_for_gpu_and_tpu(inputs, name, params):
               sampling=sampling, eos_ids=model.text_config.eos_token_ids)
 
 
+def test_prefill_scored_by_reconstruction_exports_for_gpu_and_tpu(inputs):
+    """The prompt encoded twice over (`scores="reconstruction"`), in the prefill and the shared prefill."""
+    _, args = inputs
+    method = build("lookm_quota", {"scores": "reconstruction"}, budget=0.5)
+    _exported(gen.prefill, *args, method=method, max_new_tokens=MAX_NEW, sampling=gen.Sampling())
+    _exported(gen.prefill_states, *args, statistics=method.statistics, window=1, sampling=gen.Sampling())
+
+
 def test_shared_prefill_and_its_compression_export_for_gpu_and_tpu(inputs):
     _, args = inputs
     method = build("snapkv", {}, budget=0.5)

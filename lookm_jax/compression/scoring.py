@@ -6,7 +6,9 @@ Causality is by index along the prompt axis (query i sees keys j <= i); tokens w
 ``valid == False`` are neither queries nor keys.
 
 Eq. 4 and RoCo only need column statistics of the prompt's softmax rows (``STATISTICS``: sums
-and sums of squares over queries, per query head). The decoder's prefill attention accumulates
+and sums of squares over queries, per query head); KVzip's context-reconstruction score
+(``RECONSTRUCTION``) is the column maximum over the queries of a second copy of the prompt
+(``lookm_jax.compression.reconstruction``). The decoder's prefill attention accumulates
 them while it attends (``models/llama.py``, ``causal_attention``), so a method that declares them
 (``Method.statistics``) scores for almost nothing; those are the probabilities the model really
 used (its dtype and matmul precision, softmax in fp32). The standalone functions here recompute
@@ -55,27 +57,50 @@ def _probs(q: jax.Array, k: jax.Array, q_pos: jax.Array, q_ok: jax.Array, k_ok: 
 
 SUMS = "sums"  # sum over valid queries i of p_ij (eq. 4 before the GQA mean)
 SQUARES = "squares"  # sum over valid queries i of p_ij ** 2 (RoCo's spread)
-STATISTICS = (SUMS, SQUARES)
+STATISTICS = (SUMS, SQUARES)  # of the prompt's own attention
+RECONSTRUCTION = "reconstruction"  # max over the queries of the prompt's second copy of p_ij (KVzip)
+KNOWN_STATISTICS = STATISTICS + (RECONSTRUCTION,)
 
 
-def column_stats_of_block(p: jax.Array, q_ok: jax.Array, names: tuple[str, ...]) -> dict[str, jax.Array]:
+def check_statistics(names: tuple[str, ...], query_masks) -> None:
+    """Refuse unknown names, and a reconstruction maximum without its queries (they exist only in a
+    prefill of the prompt twice, `lookm_jax.compression.reconstruction`)."""
+    unknown = set(names) - set(KNOWN_STATISTICS)
+    if unknown:
+        raise ValueError(f"unknown attention statistics {sorted(unknown)}; known: {KNOWN_STATISTICS}")
+    if RECONSTRUCTION in names and RECONSTRUCTION not in (query_masks or {}):
+        raise ValueError("the reconstruction statistic needs the queries of the prompt's second copy: run the "
+                         "method through a prefill (Model.run, Model.prefill_context, generate_methods), or pass "
+                         "query_masks={'reconstruction': mask}")
+
+
+def column_stats_of_block(p: jax.Array, q_ok, names: tuple[str, ...]) -> dict[str, jax.Array]:
     """Column statistics of one block of softmax rows.
 
-    p [B, Hkv, G, Q, K] fp32 probabilities of Q queries over K keys, q_ok [B, Q] (rows of invalid
-    queries are ignored). Returns {name: [B, Hkv, G, K] fp32} for each of ``names`` (see
-    ``STATISTICS``). Callers sum the blocks: ``causal_attention`` of the decoder does so while it
-    attends, and ``column_stats`` here does so standalone.
+    p [B, Hkv, G, Q, K] fp32 probabilities of Q queries over K keys; q_ok: the queries counted, [B, Q]
+    for every statistic or {name: [B, Q]} for each its own (rows of other queries are ignored).
+    Returns {name: [B, Hkv, G, K] fp32} for each of ``names`` (``KNOWN_STATISTICS``). Callers combine
+    the blocks with ``accumulate``: ``causal_attention`` of the decoder does so while it attends, and
+    ``column_stats`` here does so standalone.
     """
-    unknown = set(names) - set(STATISTICS)
-    if unknown:
-        raise ValueError(f"unknown attention statistics {sorted(unknown)}; known: {STATISTICS}")
-    p = jnp.where(q_ok[:, None, None, :, None], p, 0.0)
-    return {name: (p if name == SUMS else p * p).sum(axis=-2) for name in names}
+    out = {}
+    for name in names:
+        ok = q_ok[name] if isinstance(q_ok, dict) else q_ok
+        counted = jnp.where(ok[:, None, None, :, None], p, 0.0)  # p >= 0: a 0 row leaves a maximum as it is
+        if name == RECONSTRUCTION:
+            out[name] = counted.max(axis=-2)
+        else:
+            out[name] = (counted if name == SUMS else counted * counted).sum(axis=-2)
+    return out
 
 
-@functools.partial(jax.jit, static_argnames=("names", "block"))
+def accumulate(name: str, total: jax.Array, part: jax.Array) -> jax.Array:
+    """A statistic over two sets of queries from its two parts: sums add, the maximum takes the larger."""
+    return jnp.maximum(total, part) if name == RECONSTRUCTION else total + part
+
+
 def column_stats(queries: jax.Array, keys: jax.Array, valid: jax.Array, names: tuple[str, ...],
-                 *, block: int = 128) -> dict[str, jax.Array]:
+                 *, block: int = 128, query_masks: dict[str, jax.Array] | None = None) -> dict[str, jax.Array]:
     """Column statistics of the causal, padding-masked attention of a prompt, per query head.
 
     Scans over query blocks of ``block`` rows; each step holds only [B, Hq, block, L] (every row
@@ -83,11 +108,20 @@ def column_stats(queries: jax.Array, keys: jax.Array, valid: jax.Array, names: t
 
     Args:
       queries: [B, Hq, L, D]; keys: [B, Hkv, L, D], RoPE applied; valid: [B, L] bool.
-      names: static, a tuple of ``STATISTICS`` entries.
+      names: static, a tuple of ``KNOWN_STATISTICS`` entries.
       block: static; query rows per scan step (L need not be a multiple of it).
+      query_masks: {name: [B, L] bool}, the queries a statistic counts (default: the valid ones;
+        ``RECONSTRUCTION`` needs its own: the second copy's).
     Returns:
       {name: [B, Hkv, G, L] float32}, G = Hq // Hkv; 0 at padding.
     """
+    check_statistics(names, query_masks)
+    masks = {name: (query_masks or {}).get(name, valid) for name in names}
+    return _column_stats(queries, keys, valid, masks, names, block)
+
+
+@functools.partial(jax.jit, static_argnames=("names", "block"))
+def _column_stats(queries, keys, valid, masks, names, block):
     b, _, l, d = queries.shape
     hkv = keys.shape[1]
     q = _group(queries, hkv)  # [B, Hkv, G, L, D]
@@ -96,18 +130,22 @@ def column_stats(queries: jax.Array, keys: jax.Array, valid: jax.Array, names: t
     pad = n_blk * block - l
     q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
     q = jnp.moveaxis(q.reshape(b, hkv, g, n_blk, block, d), 3, 0)  # [n_blk, B, Hkv, G, blk, D]
-    q_ok = jnp.moveaxis(jnp.pad(valid, ((0, 0), (0, pad))).reshape(b, n_blk, block), 1, 0)  # [n_blk, B, blk]
+    def blocks(mask):  # [B, L] -> [n_blk, B, blk]
+        return jnp.moveaxis(jnp.pad(mask, ((0, 0), (0, pad))).reshape(b, n_blk, block), 1, 0)
+
+    q_ok = blocks(valid)
     q_pos = jnp.arange(n_blk * block, dtype=jnp.int32).reshape(n_blk, 1, block)
     q_pos = jnp.broadcast_to(q_pos, (n_blk, b, block))  # [n_blk, B, blk]
 
     def step(carry, xs):
-        q_blk, pos_blk, ok_blk = xs
+        q_blk, pos_blk, ok_blk, counted = xs
         p = _probs(q_blk, keys, pos_blk, ok_blk, valid)  # [B, Hkv, G, blk, L]
-        stats = column_stats_of_block(p, ok_blk, names)
-        return {name: carry[name] + stats[name] for name in names}, None
+        stats = column_stats_of_block(p, counted, names)
+        return {name: accumulate(name, carry[name], stats[name]) for name in names}, None
 
     zeros = {name: jnp.zeros((b, hkv, g, l), jnp.float32) for name in names}
-    stats, _ = lax.scan(step, zeros, (q, q_pos, q_ok))
+    counted = {name: blocks(mask) for name, mask in masks.items()}
+    stats, _ = lax.scan(step, zeros, (q, q_pos, q_ok, counted))
     return stats
 
 

@@ -9,7 +9,10 @@ from lookm_jax.checks import is_real
 from lookm_jax.compression.compress import SelectionSpec
 from lookm_jax.errors import InputError
 from lookm_jax.compression.methods.base import ScorerMethod
-from lookm_jax.compression.scoring import SUMS, scores_from_stats
+from lookm_jax.compression.scoring import RECONSTRUCTION, SUMS, scores_from_stats
+
+ATTENTION, RECONSTRUCTED = "attention", "reconstruction"
+SCORES = (ATTENTION, RECONSTRUCTED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,9 +24,13 @@ class LookM(ScorerMethod):
     non-text-prior merges keep 4 sinks), ``similarity_filter``, ``keep_all_text`` (the cache may
     then exceed M + N: its static capacity is floor(capacity_ratio * bucket_len), or the whole
     bucket when capacity_ratio is None). ``block`` is also the token block of the similarity scan.
+
+    ``scores``: what ranks the tokens: "attention" (eq. 4, the paper's) or "reconstruction" (KVzip's
+    context-reconstruction score: the most attention any query of a second copy of the prompt pays
+    the token, max over the query group; `lookm_jax.compression.reconstruction`), which knows nothing
+    of a question asked later and costs a prefill of the prompt twice over.
     """
 
-    statistics = (SUMS,)
     text_prior: bool = True
     merge: str | None = "pivotal"
     n_sink: int = 0
@@ -35,9 +42,12 @@ class LookM(ScorerMethod):
     size_aware: bool = False  # slots carry log(tokens merged in), added to their attention logits; paper: False
     picture_balance: bool = False  # the image quota's slots go round-robin across pictures; paper: False
     text_window: bool = False  # the recent window holds only the text after the last picture; paper: False
+    scores: str = ATTENTION  # or RECONSTRUCTED; paper: attention (eq. 4)
 
     def __post_init__(self):
         super().__post_init__()
+        if self.scores not in SCORES:
+            raise InputError(f"scores must be one of {SCORES}, got {self.scores!r}")
         if self.keep_all_text and self.layer_split != "uniform":
             raise InputError("keep_all_text needs layer_split='uniform' (its capacity is not M + N)")
         if self.capacity_ratio is not None and not self.keep_all_text:
@@ -59,5 +69,11 @@ class LookM(ScorerMethod):
             return bucket_len
         return min(bucket_len, max(super().capacity(bucket_len), math.floor(self.capacity_ratio * bucket_len)))
 
+    @property
+    def statistics(self) -> tuple[str, ...]:
+        return (RECONSTRUCTION,) if self.scores == RECONSTRUCTED else (SUMS,)
+
     def score(self, queries, keys, valid, stats, n_recent):
+        if self.scores == RECONSTRUCTED:
+            return stats[RECONSTRUCTION].max(axis=2)  # [B, Hkv, G, L] -> [B, Hkv, L], max over the group as KVzip
         return scores_from_stats(stats)
