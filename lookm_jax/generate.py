@@ -112,7 +112,7 @@ def prefill_context(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax
 
 
 def _encode_prompt(cfg, params, input_ids, valid, pixel_values, statistics: tuple[str, ...], on_layer):
-    """Embed (images spliced) and encode a right-padded prompt, every layer's q/k/v [B, H, L, D] and
+    """Embed (images spliced) and encode a right-padded prompt, every layer's q [B, Hq, L, D], k/v [B, Hkv, L, D] and
     statistics handed to ``on_layer`` (`llama.encode`) -> (final-normed h [B, L, H], the hook's outputs,
     is_image [B, L], next position [B]). When ``statistics`` ask for ``RECONSTRUCTION``, the prompt
     is encoded twice over (`lookm_jax.compression.reconstruction`) and the hook and h see the first
@@ -124,8 +124,7 @@ def _encode_prompt(cfg, params, input_ids, valid, pixel_values, statistics: tupl
         h, kept = llama.encode(text_cfg, params["text"], x, valid, statistics, on_layer, positions)
         return h, kept, is_image, next_position
     length = x.shape[1]
-    x2, _, valid2, positions2, query_masks = reconstruction.doubled_prompt(x, is_image, valid, positions,
-                                                                           next_position)
+    x2, valid2, positions2, query_masks = reconstruction.doubled_prompt(x, valid, positions, next_position)
 
     def first_copy(q, k, v, stats, index):
         cut = {name: stat[..., :length] for name, stat in stats.items()}
@@ -281,7 +280,8 @@ def prefill_states(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax.
 
     input_ids/valid [B, L_bucket], pixel_values [n_images, C, H, W] or None. Static: cfg, statistics
     (names from `lookm_jax.compression.scoring.KNOWN_STATISTICS`, accumulated by the prefill attention as in
-    `prefill`; the reconstruction statistic encodes the prompt twice over, as there), window (W, the last queries kept per row; `query_window` says what a method needs), sampling.
+    `prefill`; the reconstruction statistic encodes the prompt twice over, as there), window (W, the last
+    queries kept per row; `query_window` says what a method needs), sampling.
     """
     length = input_ids.shape[1]
     w = min(window, length)

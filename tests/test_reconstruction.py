@@ -39,22 +39,20 @@ def _doubled_inputs(seed, *, length=12, lengths=(12, 7), hq=4, hkv=2, dim=8):
 def test_doubled_prompt_copies_each_row_after_itself():
     x = jnp.arange(2 * 4 * 3, dtype=jnp.float32).reshape(2, 4, 3)
     valid = jnp.asarray([[1, 1, 1, 0], [1, 1, 0, 0]], bool)
-    is_image = jnp.asarray([[0, 1, 0, 0], [1, 0, 0, 0]], bool)
     positions = jnp.asarray([[0, 1, 2, 0], [0, 1, 0, 0]], jnp.int32)
-    x2, img2, valid2, pos2, masks = doubled_prompt(x, is_image, valid, positions, jnp.asarray([3, 2], jnp.int32))
+    x2, valid2, pos2, masks = doubled_prompt(x, valid, positions, jnp.asarray([3, 2], jnp.int32))
     chex.assert_shape(x2, (2, 8, 3))
     np.testing.assert_array_equal(x2[0, :6], np.concatenate([x[0, :3], x[0, :3]]))
     np.testing.assert_array_equal(x2[1, :4], np.concatenate([x[1, :2], x[1, :2]]))
     assert not np.asarray(x2[0, 6:]).any() and not np.asarray(x2[1, 4:]).any()
     np.testing.assert_array_equal(valid2, [[1] * 6 + [0] * 2, [1] * 4 + [0] * 4])
-    np.testing.assert_array_equal(img2, [[0, 1, 0, 0, 1, 0, 0, 0], [1, 0, 1, 0, 0, 0, 0, 0]])
     np.testing.assert_array_equal(pos2, [[0, 1, 2, 3, 4, 5, 0, 0], [0, 1, 2, 3, 0, 0, 0, 0]])
     np.testing.assert_array_equal(masks[RECONSTRUCTION], [[0, 0, 0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0, 0, 0]])
     for name in STATISTICS:
         np.testing.assert_array_equal(masks[name], [[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0]])
     # M-RoPE's three position rows all move by the row's next position
     mrope = jnp.stack([positions, positions + 10, positions + 20])
-    _, _, _, pos3, _ = doubled_prompt(x, is_image, valid, mrope, jnp.asarray([30, 25], jnp.int32))
+    _, _, pos3, _ = doubled_prompt(x, valid, mrope, jnp.asarray([30, 25], jnp.int32))
     np.testing.assert_array_equal(pos3[1, 0, :6], [10, 11, 12, 40, 41, 42])
 
 
@@ -134,9 +132,9 @@ def test_prefill_twice_over_keeps_the_plain_prompt_and_scores_it_as_the_referenc
     np.testing.assert_array_equal(twice.is_image, plain.is_image)
     # the copy's q/k straight from the decoder, then the reference over them
     cfg, text_cfg = tiny.config, tiny.text_config
-    x, is_image = llava.embed(cfg, tiny.params, jnp.asarray(packed), pixels)
+    x, _ = llava.embed(cfg, tiny.params, jnp.asarray(packed), pixels)
     positions, next_position = llava.rope_positions(cfg, jnp.asarray(packed), jnp.asarray(valid), pixels)
-    x2, _, valid2, positions2, masks = doubled_prompt(x, is_image, jnp.asarray(valid), positions, next_position)
+    x2, valid2, positions2, masks = doubled_prompt(x, jnp.asarray(valid), positions, next_position)
     _, (q2, k2) = llama.encode(text_cfg, tiny.params["text"], x2, valid2, (), lambda q, k, v, s, i: (q, k), positions2)
     length = packed.shape[1]
     sums = _prefilled(tiny, packed, valid, pixels, (SUMS,)).stats[SUMS]

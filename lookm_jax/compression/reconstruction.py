@@ -17,16 +17,16 @@ import jax.numpy as jnp
 from lookm_jax.compression.scoring import RECONSTRUCTION, STATISTICS
 
 
-def doubled_prompt(x: jax.Array, is_image: jax.Array, valid: jax.Array, positions: jax.Array,
-                   next_position: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, dict]:
+def doubled_prompt(x: jax.Array, valid: jax.Array, positions: jax.Array,
+                   next_position: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, dict]:
     """Right-padded rows, each followed by a copy of itself.
 
-    x [B, L, H] embeddings, is_image/valid [B, L] (row b's n_b tokens first), positions [B, L] or
-    M-RoPE's [3, B, L], next_position [B] (where a token after the prompt goes). Returns, over 2L:
-    x, is_image, valid ([B, 2L]: row b's prompt at 0 .. n_b - 1, its copy at n_b .. 2 n_b - 1, then
-    padding), positions (the copy's are the prompt's + next_position, as if it followed the prompt)
-    and the queries each statistic counts: the prompt's own statistics (``STATISTICS``) the first
-    copy's, ``RECONSTRUCTION`` the second copy's.
+    x [B, L, H] embeddings, valid [B, L] (row b's n_b tokens first), positions [B, L] or M-RoPE's
+    [3, B, L], next_position [B] (where a token after the prompt goes). Returns, over 2L: x, valid
+    ([B, 2L]: row b's prompt at 0 .. n_b - 1, its copy at n_b .. 2 n_b - 1, then padding), positions
+    (the copy's are the prompt's + next_position, as if it followed the prompt) and the queries each
+    statistic counts: the prompt's own statistics (``STATISTICS``) the first copy's, ``RECONSTRUCTION``
+    the second copy's.
     """
     length = x.shape[1]
     n = valid.sum(axis=-1)[:, None]  # [B, 1]
@@ -35,10 +35,9 @@ def doubled_prompt(x: jax.Array, is_image: jax.Array, valid: jax.Array, position
     second = (index >= n) & (index < 2 * n)
     source = jnp.clip(jnp.where(first, index, index - n), 0, length - 1)  # [B, 2L]: the prompt token each copies
     x2 = jnp.where((first | second)[..., None], jnp.take_along_axis(x, source[..., None], axis=1), 0).astype(x.dtype)
-    is_image2 = (first | second) & jnp.take_along_axis(is_image, source, axis=1)
     shift = jnp.where(second, next_position[:, None], 0)  # [B, 2L]
     gathered = jnp.take_along_axis(positions, jnp.broadcast_to(source, positions.shape[:-1] + source.shape[-1:]),
                                    axis=-1)
     positions2 = jnp.where(first | second, gathered + shift, 0).astype(positions.dtype)
     query_masks = {name: first for name in STATISTICS} | {RECONSTRUCTION: second}
-    return x2, is_image2, first | second, positions2, query_masks
+    return x2, first | second, positions2, query_masks
