@@ -88,6 +88,21 @@ def with_field(config: dict, path: str, value) -> dict:
     return config
 
 
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_programs():
+    """After each test file, drop jax's caches of compiled programs. XLA:CPU maps every compiled kernel
+    into memory on its own pages (3 mappings each), and one pytest worker runs half the suite: kept for
+    the whole session, the programs reached Linux's limit of 65530 mappings a process
+    (vm.max_map_count), where the next compile crashed (measured: 32k mappings after three files)."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def lookm_cache(tmp_path_factory):
     """Every test (and subprocess it starts) caches converted models in one temporary folder per
