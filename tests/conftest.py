@@ -161,6 +161,14 @@ def tiny(tiny_llava_folder):
 
 
 @pytest.fixture(scope="module")
+def tiny_prompt(tiny):
+    """Two images of 25 tokens and 9 text tokens: L = 59 in the 64-token bucket."""
+    ids = image_ids(tiny.config.image_seq_length, [3, 4, "img", 5, 6, 7, "img", 8, 9, 10, 11])
+    pixels = np.random.default_rng(0).standard_normal((2, 3, 30, 30)).astype(np.float32)
+    return ids[None], pixels
+
+
+@pytest.fixture(scope="module")
 def tiny_with_tokenizer(tiny):
     """The tiny LLaVA with a word-level tokenizer over the haystack's words (digits one by one)."""
     import dataclasses

@@ -19,7 +19,6 @@ import pytest
 from PIL import Image
 
 import reference_lookm as ref
-from conftest import image_ids
 from lookm_jax import METHODS, generate as gen, get_method
 from lookm_jax.cli_args import DEFAULT_IMAGES
 from lookm_jax.compression.methods import ScorerMethod
@@ -60,14 +59,6 @@ def _check_sizes(result, method, new_tokens, num_layers):
 
 
 # ---- tiny LLaVA -----------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny_prompt(tiny):
-    """Two images of 25 tokens and 9 text tokens: L = 59 in the 64-token bucket."""
-    ids = image_ids(tiny.config.image_seq_length, [3, 4, "img", 5, 6, 7, "img", 8, 9, 10, 11])
-    pixels = np.random.default_rng(0).standard_normal((2, 3, 30, 30)).astype(np.float32)
-    return ids[None], pixels
-
 
 @pytest.mark.parametrize("name,params", VARIANTS, ids=ids(VARIANTS))
 def test_every_method_generates_on_tiny_llava(tiny, tiny_prompt, name, params):

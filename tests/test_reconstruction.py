@@ -17,7 +17,6 @@ from lookm_jax import generate as gen
 from lookm_jax.compression.reconstruction import doubled_prompt
 from lookm_jax.compression.scoring import RECONSTRUCTION, STATISTICS, SUMS, column_stats
 from lookm_jax.models import llama, llava
-from tests.conftest import image_ids
 
 BUDGET = {"alpha_recent": 0.2, "alpha_important": 0.2}
 
@@ -101,14 +100,6 @@ def test_reconstruction_without_its_queries_is_refused():
 
 
 # ---- the prefill, on a tiny LLaVA -------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny_prompt(tiny):
-    """Two images of 25 tokens and 9 text tokens: L = 59 in the 64-token bucket."""
-    ids = image_ids(tiny.config.image_seq_length, [3, 4, "img", 5, 6, 7, "img", 8, 9, 10, 11])
-    pixels = np.random.default_rng(0).standard_normal((2, 3, 30, 30)).astype(np.float32)
-    return ids[None], pixels
-
 
 def _prefilled(model, ids, valid, pixels, statistics):
     return gen.prefill_states(model.config, model.params, jnp.asarray(ids), jnp.asarray(valid), pixels,

@@ -62,8 +62,10 @@ RECONSTRUCTION = "reconstruction"  # max over the queries of the prompt's second
 KNOWN_STATISTICS = STATISTICS + (RECONSTRUCTION,)
 
 
-def check_statistics(names: tuple[str, ...], query_masks) -> None:
-    """Refuse unknown names, and a reconstruction maximum without its queries (they exist only in a
+def counted_queries(names: tuple[str, ...], valid: jax.Array,
+                    query_masks: dict[str, jax.Array] | None) -> dict[str, jax.Array]:
+    """{name: [B, L] bool}: the queries each statistic counts, ``query_masks``' or else the valid ones.
+    Refuses unknown names, and a reconstruction maximum without its queries (they exist only in a
     prefill of the prompt twice, `lookm_jax.compression.reconstruction`)."""
     unknown = set(names) - set(KNOWN_STATISTICS)
     if unknown:
@@ -72,21 +74,21 @@ def check_statistics(names: tuple[str, ...], query_masks) -> None:
         raise ValueError("the reconstruction statistic needs the queries of the prompt's second copy: run the "
                          "method through a prefill (Model.run, Model.prefill_context, generate_methods), or pass "
                          "query_masks={'reconstruction': mask}")
+    return {name: (query_masks or {}).get(name, valid) for name in names}
 
 
-def column_stats_of_block(p: jax.Array, q_ok, names: tuple[str, ...]) -> dict[str, jax.Array]:
+def column_stats_of_block(p: jax.Array, q_ok: dict[str, jax.Array], names: tuple[str, ...]) -> dict[str, jax.Array]:
     """Column statistics of one block of softmax rows.
 
-    p [B, Hkv, G, Q, K] fp32 probabilities of Q queries over K keys; q_ok: the queries counted, [B, Q]
-    for every statistic or {name: [B, Q]} for each its own (rows of other queries are ignored).
+    p [B, Hkv, G, Q, K] fp32 probabilities of Q queries over K keys; q_ok {name: [B, Q]}: the queries
+    each statistic counts (`counted_queries`; rows of other queries are ignored).
     Returns {name: [B, Hkv, G, K] fp32} for each of ``names`` (``KNOWN_STATISTICS``). Callers combine
     the blocks with ``accumulate``: ``causal_attention`` of the decoder does so while it attends, and
     ``column_stats`` here does so standalone.
     """
     out = {}
     for name in names:
-        ok = q_ok[name] if isinstance(q_ok, dict) else q_ok
-        counted = jnp.where(ok[:, None, None, :, None], p, 0.0)  # p >= 0: a 0 row leaves a maximum as it is
+        counted = jnp.where(q_ok[name][:, None, None, :, None], p, 0.0)  # p >= 0: a 0 row leaves a maximum as it is
         if name == RECONSTRUCTION:
             out[name] = counted.max(axis=-2)
         else:
@@ -115,9 +117,7 @@ def column_stats(queries: jax.Array, keys: jax.Array, valid: jax.Array, names: t
     Returns:
       {name: [B, Hkv, G, L] float32}, G = Hq // Hkv; 0 at padding.
     """
-    check_statistics(names, query_masks)
-    masks = {name: (query_masks or {}).get(name, valid) for name in names}
-    return _column_stats(queries, keys, valid, masks, names, block)
+    return _column_stats(queries, keys, valid, counted_queries(names, valid, query_masks), names, block)
 
 
 @functools.partial(jax.jit, static_argnames=("names", "block"))
@@ -130,6 +130,7 @@ def _column_stats(queries, keys, valid, masks, names, block):
     pad = n_blk * block - l
     q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
     q = jnp.moveaxis(q.reshape(b, hkv, g, n_blk, block, d), 3, 0)  # [n_blk, B, Hkv, G, blk, D]
+
     def blocks(mask):  # [B, L] -> [n_blk, B, blk]
         return jnp.moveaxis(jnp.pad(mask, ((0, 0), (0, pad))).reshape(b, n_blk, block), 1, 0)
 

@@ -11,8 +11,8 @@ from lookm_jax.errors import InputError
 from lookm_jax.compression.methods.base import ScorerMethod
 from lookm_jax.compression.scoring import RECONSTRUCTION, SUMS, scores_from_stats
 
-ATTENTION, RECONSTRUCTED = "attention", "reconstruction"
-SCORES = (ATTENTION, RECONSTRUCTED)
+ATTENTION = "attention"
+SCORES = (ATTENTION, RECONSTRUCTION)  # eq. 4, or KVzip's reconstruction statistic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,7 @@ class LookM(ScorerMethod):
     size_aware: bool = False  # slots carry log(tokens merged in), added to their attention logits; paper: False
     picture_balance: bool = False  # the image quota's slots go round-robin across pictures; paper: False
     text_window: bool = False  # the recent window holds only the text after the last picture; paper: False
-    scores: str = ATTENTION  # or RECONSTRUCTED; paper: attention (eq. 4)
+    scores: str = ATTENTION  # or RECONSTRUCTION; paper: attention (eq. 4)
 
     def __post_init__(self):
         super().__post_init__()
@@ -71,9 +71,9 @@ class LookM(ScorerMethod):
 
     @property
     def statistics(self) -> tuple[str, ...]:
-        return (RECONSTRUCTION,) if self.scores == RECONSTRUCTED else (SUMS,)
+        return (RECONSTRUCTION,) if self.scores == RECONSTRUCTION else (SUMS,)
 
     def score(self, queries, keys, valid, stats, n_recent):
-        if self.scores == RECONSTRUCTED:
+        if self.scores == RECONSTRUCTION:
             return stats[RECONSTRUCTION].max(axis=2)  # [B, Hkv, G, L] -> [B, Hkv, L], max over the group as KVzip
         return scores_from_stats(stats)
