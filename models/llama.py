@@ -245,10 +245,17 @@ def _adapter(lp: dict, name: str) -> dict | None:
     return lp.get("adapters", {}).get(name)
 
 
-def project_qkv(cfg: LlamaConfig, lp: dict, h: jax.Array, cos: jax.Array, sin: jax.Array):
-    """h [B, L, H] -> RoPE'd q [B, Hq, L, D], k [B, Hkv, L, D], v [B, Hkv, L, D] (one dot)."""
+def _no_tap(name: str, x: jax.Array) -> None:
+    """The default `tap` of `project_qkv` and `finish_layer`: sees nothing."""
+
+
+def project_qkv(cfg: LlamaConfig, lp: dict, h: jax.Array, cos: jax.Array, sin: jax.Array, tap=_no_tap):
+    """h [B, L, H] -> RoPE'd q [B, Hq, L, D], k [B, Hkv, L, D], v [B, Hkv, L, D] (one dot).
+
+    ``tap(name, x)`` sees the input x of the projection it runs (named as in ADAPTED_WEIGHTS)."""
     b, length, _ = h.shape
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+    tap("w_qkv", x)
     w = lp["w_qkv"]  # [Hkv, G + 2, D, H], used as one [out, in] matrix (a 3-D contraction gets transposed)
     bias = lp["b_qkv"].reshape(-1) if cfg.qkv_bias else None  # Qwen2
     qkv = dense(x, w.reshape(-1, w.shape[-1]), bias, _adapter(lp, "w_qkv")).reshape(b, length, *w.shape[:3])
@@ -258,14 +265,20 @@ def project_qkv(cfg: LlamaConfig, lp: dict, h: jax.Array, cos: jax.Array, sin: j
     return apply_rope(q, cos, sin), apply_rope(qkv[:, :, group], cos, sin), qkv[:, :, group + 1]
 
 
-def finish_layer(cfg: LlamaConfig, lp: dict, h: jax.Array, attn: jax.Array) -> jax.Array:
-    """Residual output projection, then the SwiGLU MLP block. attn [B, Hq, L, D] -> h [B, L, H]."""
+def finish_layer(cfg: LlamaConfig, lp: dict, h: jax.Array, attn: jax.Array, tap=_no_tap) -> jax.Array:
+    """Residual output projection, then the SwiGLU MLP block. attn [B, Hq, L, D] -> h [B, L, H].
+    ``tap``: as `project_qkv`'s, for the output, gate/up and down projections."""
     b, _, length, _ = attn.shape
-    h = h + dense(attn.transpose(0, 2, 1, 3).reshape(b, length, -1), lp["wo"], adapter=_adapter(lp, "wo"))
+    heads = attn.transpose(0, 2, 1, 3).reshape(b, length, -1)  # [B, L, Hq * D]
+    tap("wo", heads)
+    h = h + dense(heads, lp["wo"], adapter=_adapter(lp, "wo"))
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+    tap("w_gate_up", x)
     w = lp["w_gate_up"]  # [I, 2, H], one [out, in] matrix
     gate_up = dense(x, w.reshape(-1, w.shape[-1]), adapter=_adapter(lp, "w_gate_up")).reshape(b, length, -1, 2)  # [B, L, I, 2]
-    return h + dense(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1], lp["w_down"], adapter=_adapter(lp, "w_down"))
+    hidden = jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1]  # [B, L, I]
+    tap("w_down", hidden)
+    return h + dense(hidden, lp["w_down"], adapter=_adapter(lp, "w_down"))
 
 
 def final_hidden(cfg: LlamaConfig, params: dict, h: jax.Array) -> jax.Array:

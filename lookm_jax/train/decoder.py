@@ -22,6 +22,10 @@ token of a question about one object of several: the heads of layers 19-26 give 
 of their image attention, for patches that are 0.06 of the picture; supervising it (weight 0.2, layers
 8-26) made DEMO_BUILD 10 (docs/RESULTS.md).
 
+Optionally (`DecoderConfig.subspace_dims`), each adapter reads only the input directions that picture
+conversations use and text-only prompts do not (`lookm_jax.train.subspace`), computed once from the
+model the run starts from and kept in the run folder (SUBSPACE_FILE).
+
 Checkpoints, resume and the NaN stop are stage 1's (`lookm_jax.train.runs`): step s's data is
 a pure function of (seed, s), so a killed and resumed run equals an uninterrupted one.
 """
@@ -42,7 +46,7 @@ from lookm_jax import scenes
 from lookm_jax.checks import is_real
 from lookm_jax.models import llama, llava
 from lookm_jax.train import adapters as lora
-from lookm_jax.train import replay, tower
+from lookm_jax.train import replay, subspace, tower
 from lookm_jax.train.runs import (LOG, arrays_of, end_step, jit_step, load_checkpoint, save_checkpoint, truncate_log,
                                   write_atomic)
 from lookm_jax.train.data import Batch, BatchSpec, Encoder, single_picture_spec
@@ -67,6 +71,8 @@ DEFAULT_BATCHES = (
 REPLAY_LENGTH = 128  # a chat-rendered replay prompt (<= 60 tokens here) + its continuation (<= 32)
 ADAPTERS_FILE, VISION_FILE = "demo_adapters.safetensors", "demo_vision.safetensors"  # a run's exported weights
 SHIPPED = "shipped"  # `DecoderConfig.init`: start from the demo's shipped adapters and projector
+SUBSPACE_FILE = "adapter_subspace.safetensors"  # a restricted run's bases (`subspace`), made at its start
+SUBSPACE_ROUNDS = 2  # the picture moments are summed over the first SUBSPACE_ROUNDS x len(batches) steps' batches
 
 
 def weighted_batches(weights: dict[str, int], batches: tuple[BatchSpec, ...] = DEFAULT_BATCHES) -> tuple[BatchSpec, ...]:
@@ -103,6 +109,7 @@ class DecoderConfig:
     checkpoint_every: int = 10
     eval_samples: int = 32  # held-out questions per split at each evaluation
     init: str | None = None  # a finished run's folder, or SHIPPED: its adapters and projector start this run
+    subspace_dims: int = 0  # > 0: each adapter reads only that many input directions (`subspace`); 0: all
     FREE_ON_RESUME: ClassVar[tuple[str, ...]] = ("eval_every", "checkpoint_every", "eval_samples")
 
     def __post_init__(self):
@@ -116,6 +123,8 @@ class DecoderConfig:
         if not self.learning_rate > 0 or not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"need learning_rate > 0 and 0 <= warmup_steps < steps, got "
                              f"{self.learning_rate}, {self.warmup_steps}, {self.steps}")
+        if self.subspace_dims < 0:
+            raise ValueError(f"subspace_dims must be >= 0 (0: adapters read every input direction), got {self.subspace_dims}")
         if not self.batches:
             raise ValueError("batches must name at least one batch kind")
         layers = self.read_layers
@@ -170,6 +179,54 @@ def optimizer(config: DecoderConfig) -> optax.GradientTransformation:
                        optax.multi_transform({"adapters": adamw(config.learning_rate),
                                               "projector": adamw(config.projector_learning_rate)},
                                              lambda params: {k: k for k in params}))
+
+
+def adapted_text(frozen: dict, adapters: lora.Adapters, scale: float) -> dict:
+    """The frozen text params with `adapters` applied on the fly, restricted to frozen["subspace"] if a
+    run has one."""
+    if "subspace" in frozen:
+        adapters = subspace.restrict(adapters, frozen["subspace"])
+    return lora.apply(frozen["text"], adapters, scale)
+
+
+def adapter_subspace(model, config: DecoderConfig, start: dict, output: str, batch_fn: Callable[[int], Batch],
+                     bank: replay.Bank) -> subspace.Bases:
+    """The run's `subspace.Bases` (SUBSPACE_FILE in `output`, made once and read back on resume): picture
+    conversations (the first SUBSPACE_ROUNDS x len(config.batches) steps' batches, through the model the
+    run starts from: `start`'s adapters and projector) against the train replay bank's prompts and
+    continuations (through the frozen decoder)."""
+    from safetensors.numpy import load_file, save
+
+    path = os.path.join(output, SUBSPACE_FILE)
+    text = model.params["text"]
+    if os.path.exists(path):
+        return subspace.unflatten(load_file(path), len(text["layers"]))
+    cfg = model.config
+    started = {"text": lora.apply(text, start["adapters"], config.scale), "vision": model.params["vision"],
+               "projector": start["projector"]}
+
+    @jax.jit
+    def picture_moments(params, ids, pixel_values, valid):
+        x, _ = llava.embed(cfg, params, ids, pixel_values)
+        return subspace.input_moments(cfg.text, params["text"], x, valid)
+
+    @jax.jit
+    def text_moments(ids, valid):
+        return subspace.input_moments(cfg.text, text, llama.embed_tokens(text, ids), valid)
+
+    def summed(parts: list[dict]) -> dict[str, np.ndarray]:
+        return {name: sum(np.asarray(part[name], np.float64) for part in parts) for name in llama.ADAPTED_WEIGHTS}
+
+    pictures = []
+    for step in range(1, SUBSPACE_ROUNDS * len(config.batches) + 1):
+        batch = batch_fn(step)
+        pictures.append(picture_moments(started, batch.ids, batch.pixel_values, batch.valid))
+    rows = range(len(bank.prompts))
+    texts = [text_moments(**{k: v for k, v in replay_batch(bank, rows[i:i + 16]).items() if k in ("ids", "valid")})
+             for i in range(0, len(rows), 16)]
+    made = subspace.bases(summed(pictures), summed(texts), config.subspace_dims)
+    write_atomic(path, save(subspace.flatten(made)))
+    return made
 
 
 def replay_batch(bank: replay.Bank, indices, length: int = REPLAY_LENGTH) -> dict[str, np.ndarray]:
@@ -257,7 +314,7 @@ def metrics_fn(cfg, scale: float, read_layers: tuple[int, ...] = ()) -> Callable
     `vision.answer_metrics` (+ "replay_kl", "replay_accuracy" of `replay_metrics` when batch has "replay";
     + "read_loss", "read_share" of `read_loss` over `read_layers` when given)."""
     def metrics(trainable, frozen, batch):
-        text = lora.apply(frozen["text"], trainable["adapters"], scale)
+        text = adapted_text(frozen, trainable["adapters"], scale)
         params = {"text": text, "vision": frozen["vision"], "projector": trainable["projector"]}
         x, is_image = llava.embed(cfg, params, batch["ids"], batch["pixel_values"])
         if read_layers:
@@ -321,7 +378,7 @@ class HeldOut:
 def _replay_token_accuracy(cfg, scale: float) -> Callable:
     """(trainable, frozen, replay batch) -> share of the continuation's tokens predicted (teacher-forced)."""
     def accuracy(trainable, frozen, batch):
-        return replay_metrics(cfg.text, lora.apply(frozen["text"], trainable["adapters"], scale), frozen["text"], batch)[1]
+        return replay_metrics(cfg.text, adapted_text(frozen, trainable["adapters"], scale), frozen["text"], batch)[1]
     return jax.jit(accuracy)
 
 
@@ -331,7 +388,8 @@ def train(model, config: DecoderConfig, output: str, *, batch_fn: Callable[[int]
 
     `batch_fn(step)` and `replay_bank` override the scene batches and the frozen model's replay bank
     (tests use fixed ones); `stop_after` ends this call after that many steps, as a kill would after the
-    last checkpoint. Returns {"adapters": ..., "projector": ...} on the host.
+    last checkpoint. Returns {"adapters": ..., "projector": ...} on the host (the adapters restricted to the
+    run's subspace, if it has one: what the decoder applies).
     """
     from tqdm import tqdm
 
@@ -340,7 +398,7 @@ def train(model, config: DecoderConfig, output: str, *, batch_fn: Callable[[int]
         raise ValueError(f"read_layers must be < the decoder's {cfg.text.num_layers} layers, got {config.read_layers}")
     os.makedirs(output, exist_ok=True)
     frozen = {"text": model.params["text"], "vision": model.params["vision"]}
-    trainable = initial_trainable(model, config)
+    trainable = start = initial_trainable(model, config)
     tx = optimizer(config)
     opt_state = tx.init(trainable)
     step = 0
@@ -355,6 +413,8 @@ def train(model, config: DecoderConfig, output: str, *, batch_fn: Callable[[int]
         def batch_fn(s: int) -> Batch:
             spec = config.spec(s)
             return spec.make(encoder, "train", config.seed, (s - 1) * spec.batch_size, image_size)
+    if config.subspace_dims:
+        frozen["subspace"] = adapter_subspace(model, config, start, output, batch_fn, train_bank)
     held_out = None
     if encoder is not None:
         held_out = HeldOut(encoder, config, image_size, replay.bank(model, output, "heldout", config.seed))
@@ -386,6 +446,8 @@ def train(model, config: DecoderConfig, output: str, *, batch_fn: Callable[[int]
                  lambda: save_checkpoint(output, step, trainable, opt_state, config))
     bar.close()
     log.close()
+    if config.subspace_dims:
+        trainable = {**trainable, "adapters": subspace.restrict(trainable["adapters"], frozen["subspace"])}
     return jax.device_get(trainable)
 
 

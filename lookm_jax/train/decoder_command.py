@@ -57,6 +57,9 @@ def add_parser(subparsers) -> None:
                         "is about, in --read-layers (0: off)")
     p.add_argument("--read-layers", type=layer_range, default=(), metavar="FIRST-LAST",
                    help="the decoder layers the read loss supervises, e.g. 19-26 or 20,22,24")
+    p.add_argument("--subspace-dims", type=int_at_least(0), default=0,
+                   help="each adapter reads only this many directions of its input: those picture conversations use "
+                        "and text-only prompts do not, so text keeps the frozen decoder's behaviour (0: every direction)")
     p.add_argument("--eval-every", type=int_at_least(1), default=100, help="steps between held-out accuracy checks")
     p.add_argument("--checkpoint-every", type=int_at_least(1), default=10, help="steps between checkpoints")
     p.add_argument("--init", type=path_arg, help="start from a finished run's folder (its exported adapters and "
@@ -88,7 +91,7 @@ def decoder_config(args):
         projector_learning_rate=args.projector_learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
         replay_batch_size=args.replay_batch_size, replay_weight=args.replay_weight, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, init=args.init, read_weight=args.read_weight,
-        read_layers=args.read_layers,
+        read_layers=args.read_layers, subspace_dims=args.subspace_dims,
         batches=decoder.weighted_batches(dict(args.kind_weight)))
 
 
