@@ -367,11 +367,13 @@ def test_decoder_command_read_flags_reach_the_config_and_bad_ones_are_refused(tm
     assert config().read_weight == 0 and config().read_layers == ()
     assert config("--read-weight", "0.2", "--read-layers", "19-22").read_layers == (19, 20, 21, 22)
     assert config("--read-weight", "0.2", "--read-layers", "3,5").read_layers == (3, 5)
+    assert config().subspace_dims == 0 and config("--subspace-dims", "64").subspace_dims == 64
     out = tmp_path / "run"
     for flag, value, message in (("--read-weight", "0.2", "--read-weight > 0 needs --read-layers (e.g. 19-26)"),
                                  ("--read-weight", "-1", "--read-weight must be >= 0, got -1.0"),
                                  ("--read-layers", "5-3", "argument --read-layers: expected FIRST-LAST or"),
-                                 ("--read-layers", "2,2", "argument --read-layers: expected FIRST-LAST or")):
+                                 ("--read-layers", "2,2", "argument --read-layers: expected FIRST-LAST or"),
+                                 ("--subspace-dims", "-1", "argument --subspace-dims:")):
         with pytest.raises(SystemExit) if message.startswith("argument") else contextlib.nullcontext():
             assert cli.main(["train", "decoder", "--output", str(out), flag, value]) == 2
         assert message in capsys.readouterr().err

@@ -190,12 +190,13 @@ def adapted_text(frozen: dict, adapters: lora.Adapters, scale: float) -> dict:
 
 
 def adapter_subspace(model, config: DecoderConfig, start: dict, output: str, batch_fn: Callable[[int], Batch],
-                     bank: replay.Bank) -> subspace.Bases:
+                     bank: replay.Bank, progress: bool = True) -> subspace.Bases:
     """The run's `subspace.Bases` (SUBSPACE_FILE in `output`, made once and read back on resume): picture
     conversations (the first SUBSPACE_ROUNDS x len(config.batches) steps' batches, through the model the
     run starts from: `start`'s adapters and projector) against the train replay bank's prompts and
     continuations (through the frozen decoder)."""
     from safetensors.numpy import load_file, save
+    from tqdm import tqdm
 
     path = os.path.join(output, SUBSPACE_FILE)
     text = model.params["text"]
@@ -217,13 +218,18 @@ def adapter_subspace(model, config: DecoderConfig, start: dict, output: str, bat
     def summed(parts: list[dict]) -> dict[str, np.ndarray]:
         return {name: sum(np.asarray(part[name], np.float64) for part in parts) for name in llama.ADAPTED_WEIGHTS}
 
-    pictures = []
-    for step in range(1, SUBSPACE_ROUNDS * len(config.batches) + 1):
+    steps, rows = SUBSPACE_ROUNDS * len(config.batches), range(len(bank.prompts))
+    bar = tqdm(total=steps + -(-len(rows) // 16), desc="adapter subspace", unit="batch", disable=not progress)
+    pictures, texts = [], []
+    for step in range(1, steps + 1):
         batch = batch_fn(step)
         pictures.append(picture_moments(started, batch.ids, batch.pixel_values, batch.valid))
-    rows = range(len(bank.prompts))
-    texts = [text_moments(**{k: v for k, v in replay_batch(bank, rows[i:i + 16]).items() if k in ("ids", "valid")})
-             for i in range(0, len(rows), 16)]
+        bar.update(1)
+    for i in range(0, len(rows), 16):
+        chunk = replay_batch(bank, rows[i:i + 16])
+        texts.append(text_moments(chunk["ids"], chunk["valid"]))
+        bar.update(1)
+    bar.close()
     made = subspace.bases(summed(pictures), summed(texts), config.subspace_dims)
     write_atomic(path, save(subspace.flatten(made)))
     return made
@@ -414,7 +420,7 @@ def train(model, config: DecoderConfig, output: str, *, batch_fn: Callable[[int]
             spec = config.spec(s)
             return spec.make(encoder, "train", config.seed, (s - 1) * spec.batch_size, image_size)
     if config.subspace_dims:
-        frozen["subspace"] = adapter_subspace(model, config, start, output, batch_fn, train_bank)
+        frozen["subspace"] = adapter_subspace(model, config, start, output, batch_fn, train_bank, progress)
     held_out = None
     if encoder is not None:
         held_out = HeldOut(encoder, config, image_size, replay.bank(model, output, "heldout", config.seed))
