@@ -62,13 +62,16 @@ def test_input_moments_are_the_inputs_transformers_projections_see(tmp_path):
 def test_top_directions_are_the_ones_only_the_wanted_inputs_use():
     rng = np.random.default_rng(0)
     mixing = np.linalg.qr(rng.standard_normal((6, 6)))[0]  # a random orthonormal frame
-    text = mixing @ np.diag([3.0, 2.0, 1.0, 1.0, 1e-9, 1e-9]) @ mixing.T  # text uses none of columns 4, 5
-    pictures = mixing @ np.diag([3.0, 2.0, 1.0, 1.0, 0.5, 1e-9]) @ mixing.T  # pictures use column 4
+    text = mixing @ np.diag([3.0, 2.0, 1.0, 1.0, 0.0, 0.0]) @ mixing.T  # text uses none of columns 4, 5
+    pictures = mixing @ np.diag([3.0, 2.0, 1.0, 0.1, 0.5, 0.2]) @ mixing.T  # pictures use 4 most, then 5
     basis = subspace.top_directions(pictures, text, 1)
     chex.assert_shape(basis, (6, 1))
     assert abs(float(basis[:, 0] @ mixing[:, 4])) > 0.999
-    two = subspace.top_directions(pictures, text, 3)
-    np.testing.assert_allclose(two.T @ two, np.eye(3), atol=1e-5)  # orthonormal
+    two = subspace.top_directions(pictures, text, 2)
+    np.testing.assert_allclose(two.T @ two, np.eye(2), atol=1e-5)  # orthonormal
+    np.testing.assert_allclose(two @ two.T, mixing[:, 4:] @ mixing[:, 4:].T, atol=1e-3)  # the span text never uses
+    three = subspace.top_directions(pictures, text, 3)  # then the text direction pictures use most for its share
+    assert abs(float(mixing[:, 0] @ three @ three.T @ mixing[:, 0])) > 0.99
     with pytest.raises(ValueError, match=r"subspace dims must be in 1\.\.6"):
         subspace.top_directions(pictures, text, 7)
 
@@ -76,7 +79,7 @@ def test_top_directions_are_the_ones_only_the_wanted_inputs_use():
 def _text_change(model, adapters, scale: float, bank) -> float:
     """Mean |adapted - frozen| of the logits over the bank's text-only prompts and continuations (the tiny
     decoder's distributions are too peaked for a KL to show the change)."""
-    batch = decoder.replay_batch(bank, range(len(bank.prompts)), length=16)
+    batch = decoder.replay_batch(bank, range(len(bank.prompts)), length=24)
     frozen = model.params["text"]
     x, valid = llama.embed_tokens(frozen, jnp.asarray(batch["ids"])), jnp.asarray(batch["valid"])
 
@@ -98,12 +101,23 @@ def test_a_restricted_run_reads_only_its_subspace_resumes_exactly_and_moves_text
     _train(tiny, config, tmp_path / "killed", stop_after=4)
     os.remove(tmp_path / "killed" / decoder.SUBSPACE_FILE)  # made again, the same, from the run's start
     chex.assert_trees_all_equal(_train(tiny, config, tmp_path / "killed"), whole)
+    chex.assert_trees_all_equal(*(load_file(str(tmp_path / run / decoder.SUBSPACE_FILE)) for run in ("whole", "killed")))
     free = _train(tiny, dataclasses.replace(config, subspace_dims=0), tmp_path / "free")
-    bank = _bank(tiny)
+    bank = _bank(tiny, seed=7, prompt=15)  # text the subspace was not chosen on
     restricted, unrestricted = (_text_change(tiny, run["adapters"], config.scale, bank) for run in (whole, free))
     assert restricted < 0.5 * unrestricted, (restricted, unrestricted)
 
 
-def test_subspace_dims_must_not_be_negative():
+def test_subspace_dims_are_checked_and_a_file_made_for_other_settings_is_made_again(tiny, tmp_path):
     with pytest.raises(ValueError, match="subspace_dims must be >= 0"):
         decoder.DecoderConfig(subspace_dims=-1)
+    with pytest.raises(ValueError, match=r"subspace_dims must be in 0\.\.48 \(the narrowest adapted input\), got 49"):
+        _train(tiny, _config(3, subspace_dims=49), tmp_path / "wide")
+    assert not (tmp_path / "wide" / decoder.SUBSPACE_FILE).exists()
+    _train(tiny, _config(3, subspace_dims=3), tmp_path / "stale", stop_after=1)  # no checkpoint yet: settings free
+    os.remove(tmp_path / "stale" / decoder.LOG)
+    for name in os.listdir(tmp_path / "stale"):
+        if name.startswith("checkpoint"):
+            os.remove(tmp_path / "stale" / name)
+    _train(tiny, _config(3, subspace_dims=5), tmp_path / "stale")
+    chex.assert_shape(load_file(str(tmp_path / "stale" / decoder.SUBSPACE_FILE))["layers.0.wo"], (48, 5))

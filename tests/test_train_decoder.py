@@ -21,9 +21,9 @@ from tests.conftest import IMAGE_TOKEN, tiny_llava
 from tests.test_train import _fixed_batch, tiny  # noqa: F401  (the tiny tied LLaVA fixture)
 
 
-def _bank(model, rows: int = 6, prompt: int = 9, answer: int = 5) -> replay.Bank:
+def _bank(model, rows: int = 6, prompt: int = 9, answer: int = 5, seed: int = 1) -> replay.Bank:
     """Random prompts with the model's own greedy continuation (what `replay.make_bank` makes)."""
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, 200, (1, prompt)).astype(np.int32) for _ in range(rows)]
     tokens = model.generate(np.concatenate(prompts), max_new_tokens=answer)
     return replay.Bank(tuple(f"p{i}" for i in range(rows)), tuple(tuple(int(t) for t in p[0]) for p in prompts),

@@ -73,6 +73,7 @@ ADAPTERS_FILE, VISION_FILE = "demo_adapters.safetensors", "demo_vision.safetenso
 SHIPPED = "shipped"  # `DecoderConfig.init`: start from the demo's shipped adapters and projector
 SUBSPACE_FILE = "adapter_subspace.safetensors"  # a restricted run's bases (`subspace`), made at its start
 SUBSPACE_ROUNDS = 2  # the picture moments are summed over the first SUBSPACE_ROUNDS x len(batches) steps' batches
+SUBSPACE_TEXT_ROWS = 16  # replay prompts per batch of the text moments
 
 
 def weighted_batches(weights: dict[str, int], batches: tuple[BatchSpec, ...] = DEFAULT_BATCHES) -> tuple[BatchSpec, ...]:
@@ -189,49 +190,54 @@ def adapted_text(frozen: dict, adapters: lora.Adapters, scale: float) -> dict:
     return lora.apply(frozen["text"], adapters, scale)
 
 
-def adapter_subspace(model, config: DecoderConfig, start: dict, output: str, batch_fn: Callable[[int], Batch],
+def adapter_subspace(model, config: DecoderConfig, initial: dict, output: str, batch_fn: Callable[[int], Batch],
                      bank: replay.Bank, progress: bool = True) -> subspace.Bases:
-    """The run's `subspace.Bases` (SUBSPACE_FILE in `output`, made once and read back on resume): picture
-    conversations (the first SUBSPACE_ROUNDS x len(config.batches) steps' batches, through the model the
-    run starts from: `start`'s adapters and projector) against the train replay bank's prompts and
-    continuations (through the frozen decoder)."""
-    from safetensors.numpy import load_file, save
+    """The run's `subspace.Bases`: picture conversations (the first SUBSPACE_ROUNDS x len(config.batches)
+    steps' batches, through the model the run starts from: `initial`'s adapters, unrestricted, and
+    projector) against the train replay bank's prompts and continuations (through the frozen decoder).
+    Made once into SUBSPACE_FILE in `output` and read back on resume; made again if it was made for
+    other settings (dims, init, seed)."""
+    from safetensors import safe_open
+    from safetensors.numpy import save
     from tqdm import tqdm
 
     path = os.path.join(output, SUBSPACE_FILE)
     text = model.params["text"]
+    made_for = {"subspace_dims": str(config.subspace_dims), "init": str(config.init), "seed": str(config.seed)}
     if os.path.exists(path):
-        return subspace.unflatten(load_file(path), len(text["layers"]))
+        with safe_open(path, "np") as saved:
+            if saved.metadata() == made_for:
+                return subspace.unflatten({name: saved.get_tensor(name) for name in saved.keys()}, len(text["layers"]))
     cfg = model.config
-    started = {"text": lora.apply(text, start["adapters"], config.scale), "vision": model.params["vision"],
-               "projector": start["projector"]}
 
     @jax.jit
-    def picture_moments(params, ids, pixel_values, valid):
+    def moments_of(params, ids, pixel_values, valid):  # pixel_values None: text only
         x, _ = llava.embed(cfg, params, ids, pixel_values)
         return subspace.input_moments(cfg.text, params["text"], x, valid)
 
-    @jax.jit
-    def text_moments(ids, valid):
-        return subspace.input_moments(cfg.text, text, llama.embed_tokens(text, ids), valid)
+    started = {"text": lora.apply(text, initial["adapters"], config.scale), "vision": model.params["vision"],
+               "projector": initial["projector"]}
+    frozen = {**started, "text": text}
+    totals = {"pictures": {}, "text": {}}
 
-    def summed(parts: list[dict]) -> dict[str, np.ndarray]:
-        return {name: sum(np.asarray(part[name], np.float64) for part in parts) for name in llama.ADAPTED_WEIGHTS}
+    def add(kind: str, moments: dict) -> None:  # summed on the host in float64
+        for name, m in moments.items():
+            totals[kind][name] = totals[kind].get(name, 0.0) + np.asarray(m, np.float64)
 
-    steps, rows = SUBSPACE_ROUNDS * len(config.batches), range(len(bank.prompts))
-    bar = tqdm(total=steps + -(-len(rows) // 16), desc="adapter subspace", unit="batch", disable=not progress)
-    pictures, texts = [], []
+    steps, rows = SUBSPACE_ROUNDS * len(config.batches), len(bank.prompts)
+    bar = tqdm(total=steps + -(-rows // SUBSPACE_TEXT_ROWS), desc="adapter subspace", unit="batch", disable=not progress)
     for step in range(1, steps + 1):
         batch = batch_fn(step)
-        pictures.append(picture_moments(started, batch.ids, batch.pixel_values, batch.valid))
+        add("pictures", moments_of(started, batch.ids, batch.pixel_values, batch.valid))
         bar.update(1)
-    for i in range(0, len(rows), 16):
-        chunk = replay_batch(bank, rows[i:i + 16])
-        texts.append(text_moments(chunk["ids"], chunk["valid"]))
+    for first in range(0, rows, SUBSPACE_TEXT_ROWS):
+        chunk = replay_batch(bank, range(first, min(first + SUBSPACE_TEXT_ROWS, rows)))
+        pad = ((0, SUBSPACE_TEXT_ROWS - len(chunk["ids"])), (0, 0))  # one shape for every chunk
+        add("text", moments_of(frozen, np.pad(chunk["ids"], pad), None, np.pad(chunk["valid"], pad)))
         bar.update(1)
     bar.close()
-    made = subspace.bases(summed(pictures), summed(texts), config.subspace_dims)
-    write_atomic(path, save(subspace.flatten(made)))
+    made = subspace.bases(totals["pictures"], totals["text"], config.subspace_dims)
+    write_atomic(path, save(subspace.flatten(made), metadata=made_for))
     return made
 
 
@@ -402,9 +408,12 @@ def train(model, config: DecoderConfig, output: str, *, batch_fn: Callable[[int]
     cfg = model.config
     if any(n >= cfg.text.num_layers for n in config.read_layers):
         raise ValueError(f"read_layers must be < the decoder's {cfg.text.num_layers} layers, got {config.read_layers}")
+    narrowest = min(lora.matrix_shape(w)[1] for w in (model.params["text"]["layers"][0][n] for n in llama.ADAPTED_WEIGHTS))
+    if config.subspace_dims > narrowest:
+        raise ValueError(f"subspace_dims must be in 0..{narrowest} (the narrowest adapted input), got {config.subspace_dims}")
     os.makedirs(output, exist_ok=True)
     frozen = {"text": model.params["text"], "vision": model.params["vision"]}
-    trainable = start = initial_trainable(model, config)
+    trainable = initial = initial_trainable(model, config)
     tx = optimizer(config)
     opt_state = tx.init(trainable)
     step = 0
@@ -420,7 +429,7 @@ def train(model, config: DecoderConfig, output: str, *, batch_fn: Callable[[int]
             spec = config.spec(s)
             return spec.make(encoder, "train", config.seed, (s - 1) * spec.batch_size, image_size)
     if config.subspace_dims:
-        frozen["subspace"] = adapter_subspace(model, config, start, output, batch_fn, train_bank, progress)
+        frozen["subspace"] = adapter_subspace(model, config, initial, output, batch_fn, train_bank, progress)
     held_out = None
     if encoder is not None:
         held_out = HeldOut(encoder, config, image_size, replay.bank(model, output, "heldout", config.seed))

@@ -12,7 +12,8 @@ an ordinary adapter (`adapters.fold` is unchanged).
 
 The second moments are sums of x x^T over the valid tokens of each projection's input
 (`input_moments`): over text-only prompts under the frozen decoder, and over picture conversations
-under the model a run starts from.
+under the model a run starts from (its adapters unrestricted: the inputs it learned to read). From its
+first step the run applies its adapters restricted, the starting ones included.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 from lookm_jax.models import llama
 
 Bases = tuple  # one {weight name: Q [In, k] fp32, orthonormal columns} per layer
-FLOOR = 1e-3  # text's second moment is floored at FLOOR x its mean eigenvalue before whitening
+RIDGE = 1e-3  # RIDGE x text's mean eigenvalue is added to its second moment's eigenvalues before whitening
 
 
 def input_moments(cfg: llama.LlamaConfig, text_params: dict, x: jax.Array, valid: jax.Array) -> dict[str, jax.Array]:
@@ -43,7 +44,7 @@ def input_moments(cfg: llama.LlamaConfig, text_params: dict, x: jax.Array, valid
 
         def tap(name, inputs):  # inputs [B, L, In]
             inputs = inputs.astype(jnp.float32)
-            seen[name] = jnp.einsum("bli,blj->ij", inputs * counted, inputs)
+            seen[name] = jnp.einsum("bli,blj->ij", inputs * counted, inputs, precision=jax.lax.Precision.HIGHEST)
 
         q, k, v = llama.project_qkv(cfg, lp, h, cos, sin, tap=tap)
         attn, _ = llama.causal_attention(q, k, v, valid)
@@ -55,14 +56,14 @@ def input_moments(cfg: llama.LlamaConfig, text_params: dict, x: jax.Array, valid
 
 def top_directions(wanted: np.ndarray, avoided: np.ndarray, dims: int) -> np.ndarray:
     """Q [D, dims], orthonormal: the span of the `dims` directions u maximising
-    (u^T wanted u) / (u^T avoided u) (each second moment [D, D] scaled to unit trace first; `avoided`
-    floored at FLOOR x its mean eigenvalue, so directions no text uses rank by `wanted` alone)."""
+    (u^T wanted u) / (u^T avoided u) (each second moment [D, D] scaled to unit trace first; RIDGE x the
+    mean eigenvalue added to `avoided`'s, so directions no text uses rank by `wanted` alone)."""
     size = wanted.shape[0]
     if not 1 <= dims <= size:
         raise ValueError(f"subspace dims must be in 1..{size} (the projection's input size), got {dims}")
     wanted, avoided = (np.asarray(m, np.float64) / max(np.trace(m), 1e-30) for m in (wanted, avoided))
     values, vectors = np.linalg.eigh(avoided)
-    whiten = vectors / np.sqrt(np.maximum(values, 0.0) + FLOOR / size)  # whiten.T @ avoided @ whiten ~ I
+    whiten = vectors / np.sqrt(np.maximum(values, 0.0) + RIDGE / size)  # whiten.T @ avoided @ whiten ~ I
     _, ranked = np.linalg.eigh(whiten.T @ wanted @ whiten)  # ascending
     basis, _ = np.linalg.qr(whiten @ ranked[:, -dims:])
     return basis.astype(np.float32)
@@ -72,8 +73,7 @@ def bases(picture_moments: dict, text_moments: dict, dims: int) -> Bases:
     """Per layer and adapted weight, `top_directions` of the picture conversations' inputs against the
     text-only prompts' (`input_moments` of each, summed over batches)."""
     layers = len(next(iter(text_moments.values())))
-    return tuple({name: jnp.asarray(top_directions(picture_moments[name][i], text_moments[name][i],
-                                                   min(dims, text_moments[name].shape[-1])))
+    return tuple({name: jnp.asarray(top_directions(picture_moments[name][i], text_moments[name][i], dims))
                   for name in llama.ADAPTED_WEIGHTS} for i in range(layers))
 
 
