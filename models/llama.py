@@ -31,7 +31,7 @@ import numpy as np
 from lookm_jax.cache import KVCache
 from lookm_jax.models.config import LlamaConfig, RopeConfig
 from lookm_jax.models.layers import rms_norm
-from lookm_jax.compression.scoring import accumulate, column_stats_of_block, counted_queries
+from lookm_jax.compression.scoring import accumulate, column_stats_of_block, counted_queries, query_blocks
 
 # Query block of the prefill attention: scores are [B, Hq, block, <=L], never [B, Hq, L, L].
 ATTENTION_BLOCK = 256
@@ -200,10 +200,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
     pad = n_blocks * block - length
     q_blocks = jnp.pad(q, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(b, hq, n_blocks, block, d)
     q_blocks = q_blocks.transpose(2, 0, 1, 3, 4)  # [n_blocks, B, Hq, block, D]
-    def blocks(mask):  # [B, L] -> [n_blocks, B, block]
-        return jnp.pad(mask, ((0, 0), (0, pad))).reshape(b, n_blocks, block).transpose(1, 0, 2)
-
-    counted = {name: blocks(mask) for name, mask in counted_queries(statistics, valid, query_masks).items()}
+    counted = {name: query_blocks(mask, block)  # [n_blocks, B, block] each
+               for name, mask in counted_queries(statistics, valid, query_masks).items()}
     stats = {name: jnp.zeros((b, hkv, hq // hkv, length), jnp.float32) for name in statistics}
     outs = []
     for first, stop in _query_groups(n_blocks):

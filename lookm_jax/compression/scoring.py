@@ -77,6 +77,13 @@ def counted_queries(names: tuple[str, ...], valid: jax.Array,
     return {name: (query_masks or {}).get(name, valid) for name in names}
 
 
+def query_blocks(mask: jax.Array, block: int) -> jax.Array:
+    """[B, L] bool -> [n_blocks, B, block]: the mask cut into query blocks, the last padded with False."""
+    b, length = mask.shape
+    n_blocks = -(-length // block)
+    return jnp.moveaxis(jnp.pad(mask, ((0, 0), (0, n_blocks * block - length))).reshape(b, n_blocks, block), 1, 0)
+
+
 def column_stats_of_block(p: jax.Array, q_ok: dict[str, jax.Array], names: tuple[str, ...]) -> dict[str, jax.Array]:
     """Column statistics of one block of softmax rows.
 
@@ -130,11 +137,7 @@ def _column_stats(queries, keys, valid, masks, names, block):
     pad = n_blk * block - l
     q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
     q = jnp.moveaxis(q.reshape(b, hkv, g, n_blk, block, d), 3, 0)  # [n_blk, B, Hkv, G, blk, D]
-
-    def blocks(mask):  # [B, L] -> [n_blk, B, blk]
-        return jnp.moveaxis(jnp.pad(mask, ((0, 0), (0, pad))).reshape(b, n_blk, block), 1, 0)
-
-    q_ok = blocks(valid)
+    q_ok = query_blocks(valid, block)
     q_pos = jnp.arange(n_blk * block, dtype=jnp.int32).reshape(n_blk, 1, block)
     q_pos = jnp.broadcast_to(q_pos, (n_blk, b, block))  # [n_blk, B, blk]
 
@@ -145,7 +148,7 @@ def _column_stats(queries, keys, valid, masks, names, block):
         return {name: accumulate(name, carry[name], stats[name]) for name in names}, None
 
     zeros = {name: jnp.zeros((b, hkv, g, l), jnp.float32) for name in names}
-    counted = {name: blocks(mask) for name, mask in masks.items()}
+    counted = {name: query_blocks(mask, block) for name, mask in masks.items()}
     stats, _ = lax.scan(step, zeros, (q, q_pos, q_ok, counted))
     return stats
 
