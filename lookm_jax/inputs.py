@@ -134,13 +134,14 @@ def check_context(text_config, length: int, max_new_tokens: int, ignore_context_
 
 
 def check_read_twice(text_config, length: int, ignore_context_limit: bool) -> None:
-    """A prefill that reads the prompt twice over (scores="reconstruction") numbers 2 x length positions."""
+    """A prefill that reads the prompt twice over (scores="reconstruction" or "split") numbers 2 x length positions."""
     limit = text_config.max_position_embeddings
     if 2 * length > limit and not ignore_context_limit:
         raise InputError(
-            f"scores='reconstruction' reads a prompt of {length} tokens twice over: {2 * length} positions exceed the "
-            f"model's context length ({limit}, max_position_embeddings); use a prompt of at most {limit // 2} tokens, "
-            "attention scores, or ignore_context_limit=True to run past it deliberately")
+            f"scores='reconstruction' or 'split' (lookm_quota's default) reads a prompt of {length} tokens twice over: "
+            f"{2 * length} positions exceed the model's context length ({limit}, max_position_embeddings); use a "
+            f"prompt of at most {limit // 2} tokens, scores='attention', or ignore_context_limit=True to run past it "
+            "deliberately")
 
 
 def forward_ids(model, input_ids, attention_mask=None, ignore_context_limit: bool = False):

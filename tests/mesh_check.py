@@ -24,7 +24,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import lookm_jax
-from method_variants import DEFAULTS, build
+from method_variants import DEFAULTS, build, doubled_stats
 from lookm_jax import Model, generate as gen, get_method, sharding
 from lookm_jax.convert import store
 from lookm_jax.convert.hf import flat_paths, params_from_hf, parse_config
@@ -200,7 +200,7 @@ def test_compression_alone_has_no_collectives(model, name):
     collective at all (it is per row and head), and its output stays split, [B/2, Hkv/2, S, D] per
     device (numerics on a mesh: the generation test above). One exception, not a per-head array:
     SnapKV's top_k over the [B, L] positions of its query window, whose rows XLA's partitioner
-    gathers."""
+    gathers (SnapKV's window scores, also the votes of lookm_quota's split scores)."""
     method = build(name, {"head_groups": 2} if name == "adakv" else {}, budget=0.4)  # a head group per device
     rng = np.random.default_rng(2)
     q, k, v = (rng.standard_normal((4, h, BUCKET, D)).astype(np.float32) for h in (8, 4, 4))
@@ -210,10 +210,12 @@ def test_compression_alone_has_no_collectives(model, name):
     heads = NamedSharding(mesh, P(sharding.DATA, sharding.MODEL))
     args = [jax.device_put(a, heads) for a in (q, k, v)]
     args += [jax.device_put(a, NamedSharding(mesh, sharding.ROWS)) for a in (is_image, valid)]
-    compiled = jax.jit(functools.partial(method, layer=LayerIndex(0, 3))).lower(*args).compile()
-    expected = [("all-gather", [(4, BUCKET)])] if name in ("snapkv", "pyramidkv", "adakv") else []
+    stats = doubled_stats(method, q, k, valid)  # the doubled prefill's statistics (lookm_quota's split scores)
+    stats = stats and {statistic: jax.device_put(a, heads) for statistic, a in stats.items()}
+    compiled = jax.jit(functools.partial(method, layer=LayerIndex(0, 3))).lower(*args, stats=stats).compile()
+    expected = [("all-gather", [(4, BUCKET)])] if name in ("snapkv", "pyramidkv", "adakv", "lookm_quota") else []
     assert collectives(compiled.as_text()) == expected, name
-    kept = compiled(*args)
+    kept = compiled(*args, stats=stats)
     assert kept.keys.sharding.is_equivalent_to(heads, 4), kept.keys.sharding
     pooled = kept.heads is not None  # [B, G, H_g x S, D]: one head group of two heads per device
     chex.assert_shape(kept.keys.addressable_shards[0].data, (2, 1, 2 * method.capacity(BUCKET), D) if pooled

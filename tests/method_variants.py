@@ -3,7 +3,11 @@ here gets the reference, budget, padding, generation and mesh tests at once)."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
+import reference_lookm as ref
 from lookm_jax import METHODS, get_method
+from lookm_jax.compression.scoring import RECONSTRUCTION, STATISTICS, column_stats
 
 # (method name, options besides the budget). Each method's defaults come first, then its variants.
 VARIANTS: list[tuple[str, dict]] = [(name, {}) for name in METHODS] + [
@@ -38,3 +42,16 @@ def ids(variants) -> list[str]:
 def build(name: str, options: dict, **budget):
     """The method at `budget` (budget= or alpha_recent=/alpha_important=); "full" takes none."""
     return get_method(name, **options) if name == "full" else get_method(name, **budget, **options)
+
+
+def doubled_stats(method, q, k, valid):
+    """A method that reads the prompt twice over (lookm_quota's split scores) called outside a prefill: its
+    statistics over the rows laid out [prompt ; copy] (`ref.doubled`), as a prefill gives them. None for
+    other methods, which compute their own."""
+    names = getattr(method, "statistics", ())
+    if RECONSTRUCTION not in names:
+        return None
+    q2, k2, valid2, second = ref.doubled(q, k, valid)
+    masks = {name: jnp.asarray(valid2 & ~second) for name in STATISTICS} | {RECONSTRUCTION: jnp.asarray(second)}
+    stats = column_stats(*map(jnp.asarray, (q2, k2, valid2)), names, query_masks=masks)
+    return {name: stat[..., :k.shape[2]] for name, stat in stats.items()}

@@ -43,10 +43,28 @@ def reconstruction_maxima(q, k, valid, second):
     return np.where(second[:, None, :, None], attention_probs(q, k, valid), 0.0).max(2)
 
 
+def doubled(q, k, valid):
+    """q [B, Hq, L, D], k [B, Hkv, L, D], valid [B, L] right-padded -> (q2, k2, valid2, second) over 2L: each
+    row's tokens, a copy of them, then padding, as `reconstruction.doubled_prompt` lays out a prefill."""
+    length = k.shape[2]
+    n = np.asarray(valid).sum(-1)[:, None]  # [B, 1]
+    index = np.arange(2 * length)[None]  # [1, 2L]
+    valid2, second = index < 2 * n, (index >= n) & (index < 2 * n)
+    source = np.clip(np.where(index < n, index, index - n), 0, length - 1)[:, None, :, None]  # [B, 1, 2L, 1]
+    copy = [np.where(valid2[:, None, :, None], np.take_along_axis(np.asarray(x), source, axis=2), 0) for x in (q, k)]
+    return copy[0], copy[1], valid2, second
+
+
 def reconstruction_scores(q, k, valid, second, length):
     """The reconstruction maxima of the first `length` tokens, max over each KV group's query heads. [B, Hkv, length]."""
     r = reconstruction_maxima(q, k, valid, second)[..., :length]
     return r.reshape(r.shape[0], k.shape[1], -1, length).max(2)
+
+
+def shares(scores, valid):
+    """Each row and head's scores over its valid tokens divided by their total, 0 at padding. [B, Hkv, L]."""
+    scores = np.where(valid[:, None, :], scores, 0.0)
+    return scores / scores.sum(-1, keepdims=True)
 
 
 def mean_std(q, k, valid):
@@ -303,14 +321,21 @@ def run_method(name, params, q, k, v, is_image, valid, layer=None, doubled=None)
         window = m if w is None else [w] * b_
         scores = window_scores(q, k, valid, window, m, params.get("kernel_size", 7), params.get("pooling", "max"))
     elif name in ("lookm", "lookm_quota"):
-        if params.get("scores", "attention") == "reconstruction":
-            scores = reconstruction_scores(*(np.asarray(x, np.float64) for x in doubled[:2]), *doubled[2:], length)
-        else:
-            scores = attention_scores(q, k, valid)
+        if name == "lookm_quota":
+            params = {"image_quota": 0.5, "picture_balance": True, "text_window": True, "scores": "split", **params}
+        kind = params.get("scores", "attention")
+        scores = attention_scores(q, k, valid)
+        if kind != "attention":
+            reconstruction = reconstruction_scores(*(np.asarray(x, np.float64) for x in doubled[:2]), *doubled[2:],
+                                                   length)
+            scores = reconstruction
+        if kind == "split":  # text by eq. 4; image tokens by shares of the reconstruction maxima and the window's votes
+            w = params.get("reconstruction_weight", 0.75)
+            votes = window_scores(q, k, valid, [32] * b_, [0] * b_, 7, "max")
+            image = w * shares(reconstruction, valid) + (1 - w) * shares(votes, valid)
+            scores = np.where(is_image[:, None, :], image, attention_scores(q, k, valid))
         text_prior = params.get("text_prior", True)
         mode = params.get("merge", "pivotal" if name == "lookm" else None)
-        if name == "lookm_quota":
-            params = {"image_quota": 0.5, "picture_balance": True, "text_window": True, **params}
         n_sink = params.get("n_sink", 0)
     else:
         raise ValueError(name)

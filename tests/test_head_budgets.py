@@ -18,6 +18,7 @@ from lookm_jax import InputError, get_method
 from lookm_jax.cache import KVCache
 from lookm_jax.compression import heads as head_pool
 from lookm_jax.compression.methods.base import LayerIndex
+from method_variants import doubled_stats
 from test_budgets import ask_and_step
 
 L = 24
@@ -46,11 +47,12 @@ def _ids(variants):
 
 @functools.lru_cache(maxsize=None)
 def _jitted(method):
-    return jax.jit(lambda *arrays: method(*arrays, layer=LayerIndex(*LAYER)))
+    return jax.jit(lambda *arrays, stats: method(*arrays, stats=stats, layer=LayerIndex(*LAYER)))
 
 
 def _run(method, inputs):
-    return _jitted(method)(*(jnp.asarray(x) for x in inputs))
+    q, k, _, _, valid = inputs
+    return _jitted(method)(*(jnp.asarray(x) for x in inputs), stats=doubled_stats(method, q, k, valid))
 
 
 # (KV heads, head groups): every variant runs on 4 heads in 2 groups and on one other layout, in turn,
@@ -73,7 +75,7 @@ def test_adaptive_selection_matches_reference(name, options, hkv, groups):
         chex.assert_shape([out.keys, out.values], (2, groups, size, 8))
         chex.assert_shape([out.positions, out.mask, out.heads], (2, groups, size))
         ref.check_against(out, ref.run_method(name, {**BUDGET, **options, "head_groups": groups}, *inputs,
-                                              layer=LAYER))
+                                              layer=LAYER, doubled=ref.doubled(*inputs[:2], inputs[4])))
 
 
 @pytest.mark.parametrize("head_floor", [0.0, 0.2, 0.5, 1.0])

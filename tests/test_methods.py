@@ -15,7 +15,7 @@ import reference_lookm as ref
 from lookm_jax import METHODS, InputError, get_method
 from lookm_jax.compression.methods import LookM, ScorerMethod
 from lookm_jax.compression.methods.base import LayerIndex
-from method_variants import DEFAULTS, VARIANTS, build, ids
+from method_variants import DEFAULTS, VARIANTS, build, doubled_stats, ids
 
 L = 24
 BUDGET = {"alpha_recent": 0.2, "alpha_important": 0.2}
@@ -29,11 +29,17 @@ def _default(name, **kwargs):
 @functools.lru_cache(maxsize=None)
 def _jitted(method):
     """One compiled program per (method, shapes)."""
-    return jax.jit(lambda *arrays: method(*arrays, layer=LayerIndex(*LAYER)))
+    return jax.jit(lambda *arrays, stats: method(*arrays, stats=stats, layer=LayerIndex(*LAYER)))
 
 
 def _run(method, q, k, v, is_image, valid):
-    return _jitted(method)(*(jnp.asarray(x) for x in (q, k, v, is_image, valid)))
+    return _jitted(method)(*(jnp.asarray(x) for x in (q, k, v, is_image, valid)),
+                           stats=doubled_stats(method, q, k, valid))
+
+
+def _reference(name, params, q, k, v, is_image, valid):
+    return ref.run_method(name, {**BUDGET, **params}, q, k, v, is_image, valid, layer=LAYER,
+                          doubled=ref.doubled(q, k, valid))
 
 
 
@@ -48,7 +54,7 @@ def test_matches_reference(name, params):
     chex.assert_shape([out.keys, out.values], shape + (8,))
     chex.assert_shape([out.positions, out.mask] + ([] if out.heads is None else [out.heads]), shape)
     chex.assert_type([out.keys, out.positions, out.mask], [jnp.float32, jnp.int32, jnp.bool_])
-    ref.check_against(out, ref.run_method(name, {**BUDGET, **params}, *inputs, layer=LAYER))
+    ref.check_against(out, _reference(name, params, *inputs))
 
 
 @pytest.mark.parametrize("hkv", [1, 4])
@@ -56,8 +62,7 @@ def test_matches_reference(name, params):
 def test_gqa_matches_reference(name, params, hkv):
     """1 and all KV heads (2 is covered above) with 4 query heads: group-averaged scores."""
     inputs = ref.make_inputs(1, hkv=hkv, length=16, lengths=[16, 11])
-    ref.check_against(_run(_default(name, **params), *inputs),
-                      ref.run_method(name, {**BUDGET, **params}, *inputs, layer=LAYER))
+    ref.check_against(_run(_default(name, **params), *inputs), _reference(name, params, *inputs))
 
 
 @pytest.mark.parametrize("name", [name for name, _ in DEFAULTS])

@@ -74,18 +74,26 @@ def test_reconstruction_statistic_matches_reference(hkv, block):
             q[:, :, :12].astype(np.float64), k[:, :, :12].astype(np.float64), first[:, :12]), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name,params", [("lookm_quota", {"scores": "reconstruction"}),
-                                         ("lookm", {"scores": "reconstruction", "merge": None}),
-                                         ("lookm", {"scores": "reconstruction", "merge": "averaged"})])
-def test_reconstruction_method_matches_reference(name, params):
-    q, k, v, is_image, valid, valid2, second = _doubled_inputs(4)
-    stats = column_stats(*map(jnp.asarray, (q, k, valid2)), (RECONSTRUCTION,), query_masks={
-        RECONSTRUCTION: jnp.asarray(second)})
+@pytest.mark.parametrize("name,params,lengths", [
+    ("lookm_quota", {"scores": "reconstruction"}, (12, 7)),
+    ("lookm", {"scores": "reconstruction", "merge": None}, (12, 7)),
+    ("lookm", {"scores": "reconstruction", "merge": "averaged"}, (12, 7)),
+    ("lookm_quota", {}, (12, 7)),
+    ("lookm_quota", {}, (44, 37)),  # longer than the votes' window of 32 queries
+    ("lookm", {"scores": "split", "reconstruction_weight": 0.4}, (12, 7))])
+def test_reconstruction_method_matches_reference(name, params, lengths):
+    """Reconstruction scores, and split ones (text by eq. 4 of the first copy's queries; image tokens by
+    shares of the second copy's maxima and the last queries' votes), select as the float64 reference."""
+    length = lengths[0]
+    q, k, v, is_image, valid, valid2, second = _doubled_inputs(4, length=length, lengths=lengths)
     method = get_method(name, **BUDGET, **params)
-    context = [jnp.asarray(a[:, :, :12]) for a in (q, k, v)]
-    out = jax.jit(lambda *a: method(*a, stats={RECONSTRUCTION: stats[RECONSTRUCTION][..., :12]}))(
+    first = valid2 & ~second
+    stats = column_stats(*map(jnp.asarray, (q, k, valid2)), method.statistics, query_masks={
+        SUMS: jnp.asarray(first), RECONSTRUCTION: jnp.asarray(second)})
+    context = [jnp.asarray(a[:, :, :length]) for a in (q, k, v)]
+    out = jax.jit(lambda *a: method(*a, stats={stat: s[..., :length] for stat, s in stats.items()}))(
         *context, jnp.asarray(is_image), jnp.asarray(valid))
-    want = ref.run_method(name, {**BUDGET, **params}, *(a[:, :, :12] for a in (q, k, v)), is_image, valid,
+    want = ref.run_method(name, {**BUDGET, **params}, *(a[:, :, :length] for a in (q, k, v)), is_image, valid,
                           doubled=(q, k, valid2, second))
     ref.check_against(out, want)
 
@@ -95,8 +103,14 @@ def test_reconstruction_without_its_queries_is_refused():
     method = get_method("lookm_quota", budget=0.4, scores="reconstruction")
     with pytest.raises(ValueError, match="second copy: run the method through a prefill"):
         method(*(jnp.asarray(a[:, :, :12]) for a in (q, k, v)), jnp.asarray(is_image), jnp.asarray(valid))
-    with pytest.raises(InputError, match=r"scores must be one of \('attention', 'reconstruction'\), got 'kvzip'"):
+    with pytest.raises(InputError, match=r"scores must be one of \('attention', 'reconstruction', 'split'\), got 'kvzip'"):
         get_method("lookm", budget=0.4, scores="kvzip")
+    with pytest.raises(InputError, match=r"reconstruction_weight must be a fraction in \[0, 1\], got 1.5"):
+        get_method("lookm", budget=0.4, scores="split", reconstruction_weight=1.5)
+    with pytest.raises(InputError, match="reconstruction_weight only applies with scores='split'"):
+        get_method("lookm", budget=0.4, reconstruction_weight=0.3)
+    with pytest.raises(InputError, match="only text_prior=True keeps apart"):
+        get_method("lookm", budget=0.4, scores="split", text_prior=False)
 
 
 # ---- the prefill, on a tiny LLaVA -------------------------------------------------------------------
@@ -137,15 +151,18 @@ def test_prefill_twice_over_keeps_the_plain_prompt_and_scores_it_as_the_referenc
         np.testing.assert_allclose(twice.stats[SUMS][layer], sums[layer], atol=1e-5, rtol=1e-5)
 
 
-def test_reconstruction_runs_as_its_shared_prefill_and_covering_budget_is_the_full_cache(tiny, tiny_prompt):
+@pytest.mark.parametrize("scores", ["reconstruction", "split"])
+def test_reconstruction_runs_as_its_shared_prefill_and_covering_budget_is_the_full_cache(tiny, tiny_prompt, scores):
+    """Model.run gives the shared prefill's tokens (split: the 32 voting queries of a 59-token prompt kept
+    beside the doubled prefill's statistics), and a budget covering the prompt gives the full cache's."""
     ids, pixels = tiny_prompt
-    method = get_method("lookm_quota", budget=0.4, scores="reconstruction")
+    method = get_method("lookm_quota", budget=0.4, scores=scores)
     result = tiny.run(ids, pixels, max_new_tokens=6, method=method)
     shared, full_shared = sweep.generate_methods(tiny, ids, pixels, max_new_tokens=6,
                                                  methods=[method, get_method("full")])
     np.testing.assert_array_equal(result.tokens, shared)
     assert result.cache_bytes < result.full_cache_bytes
-    covering = get_method("lookm_quota", alpha_recent=1.0, alpha_important=0.0, scores="reconstruction")
+    covering = get_method("lookm_quota", alpha_recent=1.0, alpha_important=0.0, scores=scores)
     np.testing.assert_array_equal(tiny.run(ids, pixels, max_new_tokens=6, method=covering).tokens, full_shared)
 
 
@@ -153,9 +170,10 @@ def test_a_prompt_read_twice_over_must_fit_the_context(tiny, tiny_prompt):
     """59 tokens read twice over number 118 positions: refused under a context of 100, unless deliberately."""
     short = dataclasses.replace(tiny, config=dataclasses.replace(
         tiny.config, text=dataclasses.replace(tiny.text_config, max_position_embeddings=100)), _compiled={})
-    method = get_method("lookm_quota", budget=0.4, scores="reconstruction")
+    method = get_method("lookm_quota", budget=0.4)  # its default scores="split" reads the prompt twice over too
     with pytest.raises(InputError, match=r"reads a prompt of 59 tokens twice over: 118 positions exceed the model's "
                                          r"context length \(100, max_position_embeddings\); use a prompt of at most 50"):
         short.run(*tiny_prompt, max_new_tokens=2, method=method)
-    assert short.run(*tiny_prompt, max_new_tokens=2, method=get_method("lookm_quota", budget=0.4)).tokens.shape == (1, 2)
+    eq4 = get_method("lookm_quota", budget=0.4, scores="attention")
+    assert short.run(*tiny_prompt, max_new_tokens=2, method=eq4).tokens.shape == (1, 2)
     assert short.run(*tiny_prompt, max_new_tokens=2, method=method, ignore_context_limit=True).tokens.shape == (1, 2)

@@ -153,9 +153,10 @@ class ScorerMethod(Method):
 
     # ---- what a subclass writes ----------------------------------------------------------------
     @abc.abstractmethod
-    def score(self, queries, keys, valid, stats, n_recent) -> jax.Array:
-        """-> [B, Hkv, L] float, higher = keep. queries [B, Hq, L, D], keys [B, Hkv, L, D], valid [B, L],
-        stats {name: [B, Hkv, G, L]} (the declared ``statistics``), n_recent [B] int32 (M per row)."""
+    def score(self, queries, keys, valid, is_image, stats, n_recent) -> jax.Array:
+        """-> [B, Hkv, L] float, higher = keep. queries [B, Hq, L, D], keys [B, Hkv, L, D], valid and
+        is_image [B, L], stats {name: [B, Hkv, G, L]} (the declared ``statistics``), n_recent [B] int32
+        (M per row)."""
 
     def selection(self) -> SelectionSpec:
         """Default: rank by score alone (no text-prior), evict without merging."""
@@ -238,7 +239,7 @@ class ScorerMethod(Method):
         n_recent, n_important = self.layer_slots(valid, layer)
         m, _ = self.budgets(valid)
         return compress_kv(
-            keys, values, self.score(queries, keys, valid, stats, m), is_image=is_image, valid=valid,
+            keys, values, self.score(queries, keys, valid, is_image, stats, m), is_image=is_image, valid=valid,
             n_recent=n_recent, n_important=n_important, **dataclasses.asdict(self.selection()),
             capacity=self.capacity(keys.shape[2]), block=self.block, head_groups=self.groups(),
             head_floor=self.head_floor,

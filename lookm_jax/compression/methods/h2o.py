@@ -14,5 +14,5 @@ class H2O(ScorerMethod):
 
     statistics = (SUMS,)
 
-    def score(self, queries, keys, valid, stats, n_recent):
+    def score(self, queries, keys, valid, is_image, stats, n_recent):
         return scores_from_stats(stats)

@@ -28,6 +28,6 @@ class RoCo(ScorerMethod):
         if not is_real(self.std_weight):
             raise InputError(f"std_weight must be a finite number, got {self.std_weight!r}")
 
-    def score(self, queries, keys, valid, stats, n_recent):
+    def score(self, queries, keys, valid, is_image, stats, n_recent):
         mean, std = mean_std_from_stats(stats, valid)
         return mean + self.std_weight * std

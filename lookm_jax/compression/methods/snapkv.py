@@ -55,7 +55,7 @@ class SnapKV(ScorerMethod):
         """W, or with window=None the largest per-row M = floor(alpha_recent * L) for this bucket."""
         return self.window if self.window is not None else max(1, math.floor(self.alpha_recent * bucket_len))
 
-    def score(self, queries, keys, valid, stats, n_recent):
+    def score(self, queries, keys, valid, is_image, stats, n_recent):
         window = n_recent if self.window is None else self.window
         return window_scores(queries, keys, valid, valid & ~recent_mask(valid, n_recent), window,
                              max_window=self.queries_read(keys.shape[2]), kernel_size=self.kernel_size,

@@ -44,5 +44,5 @@ class StreamingLLM(ScorerMethod):
         sinks = jnp.minimum(self.n_sink, m + n)
         return m + n - sinks, sinks
 
-    def score(self, queries, keys, valid, stats, n_recent):
+    def score(self, queries, keys, valid, is_image, stats, n_recent):
         return jnp.zeros(keys.shape[:3], jnp.float32)
