@@ -324,16 +324,17 @@ def run_method(name, params, q, k, v, is_image, valid, layer=None, doubled=None)
         if name == "lookm_quota":
             params = {"image_quota": 0.5, "picture_balance": True, "text_window": True, "scores": "split", **params}
         kind = params.get("scores", "attention")
-        scores = attention_scores(q, k, valid)
+        scores = attention_scores(q, k, valid) if kind != "reconstruction" else None
         if kind != "attention":
             reconstruction = reconstruction_scores(*(np.asarray(x, np.float64) for x in doubled[:2]), *doubled[2:],
                                                    length)
+        if kind == "reconstruction":
             scores = reconstruction
-        if kind == "split":  # text by eq. 4; image tokens by shares of the reconstruction maxima and the window's votes
+        elif kind == "split":  # text by eq. 4; image tokens by shares of the reconstruction maxima and the window's votes
             w = params.get("reconstruction_weight", 0.75)
             votes = window_scores(q, k, valid, [32] * b_, [0] * b_, 7, "max")
             image = w * shares(reconstruction, valid) + (1 - w) * shares(votes, valid)
-            scores = np.where(is_image[:, None, :], image, attention_scores(q, k, valid))
+            scores = np.where(is_image[:, None, :], image, scores)
         text_prior = params.get("text_prior", True)
         mode = params.get("merge", "pivotal" if name == "lookm" else None)
         n_sink = params.get("n_sink", 0)

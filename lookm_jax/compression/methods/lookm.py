@@ -18,6 +18,7 @@ ATTENTION = "attention"
 SPLIT = "split"
 SCORES = (ATTENTION, RECONSTRUCTION, SPLIT)  # eq. 4, KVzip's reconstruction statistic, or one per modality
 VOTES_WINDOW = 32  # SPLIT: the last queries whose votes rank image tokens (SnapKV's default window)
+RECONSTRUCTION_WEIGHT = 0.75  # SPLIT: the reconstruction share of an image token's score, by default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +55,7 @@ class LookM(ScorerMethod):
     picture_balance: bool = False  # the image quota's slots go round-robin across pictures; paper: False
     text_window: bool = False  # the recent window holds only the text after the last picture; paper: False
     scores: str = ATTENTION  # or RECONSTRUCTION or SPLIT; paper: attention (eq. 4)
-    reconstruction_weight: float = 0.75  # SPLIT only: the reconstruction share of an image token's score
+    reconstruction_weight: float = RECONSTRUCTION_WEIGHT  # SPLIT only
 
     def __post_init__(self):
         super().__post_init__()
@@ -62,7 +63,7 @@ class LookM(ScorerMethod):
             raise InputError(f"scores must be one of {SCORES}, got {self.scores!r}")
         if not (is_real(self.reconstruction_weight) and 0 <= self.reconstruction_weight <= 1):
             raise InputError(f"reconstruction_weight must be a fraction in [0, 1], got {self.reconstruction_weight!r}")
-        if self.reconstruction_weight != 0.75 and self.scores != SPLIT:
+        if self.reconstruction_weight != RECONSTRUCTION_WEIGHT and self.scores != SPLIT:
             raise InputError(f"reconstruction_weight only applies with scores='{SPLIT}', got scores={self.scores!r}")
         if self.scores == SPLIT and not self.text_prior:
             raise InputError(f"scores='{SPLIT}' ranks text and image tokens by different scores, which only "
