@@ -116,6 +116,27 @@ def test_replay_agreement_counts_positions_and_pads_stopped_rows():
     assert len(replay.prompts("heldout", 0)) >= 100
 
 
+def test_generated_replay_prompts_are_the_models_own_distinct_user_turns(demo, tmp_path, monkeypatch):
+    """Magpie's recipe on the demo: distinct, seeded user turns, none a held-out prompt; the train bank
+    holds the templates then them, and is read back on resume only for the same count."""
+    from lookm_jax.models.processors import IMAGE_MARKER
+
+    monkeypatch.setattr(replay, "GENERATION_BATCH", 8)
+    first = replay.generated_prompts(demo, 5, seed=3)
+    assert len(first) == len(set(first)) == 5 and all(p and IMAGE_MARKER not in p for p in first)
+    assert replay.generated_prompts(demo, 5, seed=3) == first
+    assert replay.generated_prompts(demo, 5, seed=4) != first
+    templated = {"train": ("Name a colour.",), "heldout": (first[0].upper(),)}  # a held-out prompt is never drawn
+    monkeypatch.setattr(replay, "prompts", lambda split, seed: templated[split])
+    assert first[0] not in replay.generated_prompts(demo, 5, seed=3)
+    bank = replay.bank(demo, str(tmp_path), "train", 3, generated=2)
+    assert bank.prompts[0] == "Name a colour." and len(bank.prompts) == 3 and len(bank.continuations) == 3
+    monkeypatch.setattr(replay, "make_bank", lambda *args: pytest.fail("a saved bank was made again"))
+    assert replay.bank(demo, str(tmp_path), "train", 3, generated=2) == bank
+    with pytest.raises(pytest.fail.Exception):
+        replay.bank(demo, str(tmp_path), "train", 3, generated=1)
+
+
 def test_exported_adapters_read_back_and_refuse_the_wrong_decoder(tiny, tmp_path):
     from lookm_jax import loading
 
@@ -368,12 +389,14 @@ def test_decoder_command_read_flags_reach_the_config_and_bad_ones_are_refused(tm
     assert config("--read-weight", "0.2", "--read-layers", "19-22").read_layers == (19, 20, 21, 22)
     assert config("--read-weight", "0.2", "--read-layers", "3,5").read_layers == (3, 5)
     assert config().subspace_dims == 0 and config("--subspace-dims", "64").subspace_dims == 64
+    assert config().replay_generated == 0 and config("--replay-generated", "1500").replay_generated == 1500
     out = tmp_path / "run"
     for flag, value, message in (("--read-weight", "0.2", "--read-weight > 0 needs --read-layers (e.g. 19-26)"),
                                  ("--read-weight", "-1", "--read-weight must be >= 0, got -1.0"),
                                  ("--read-layers", "5-3", "argument --read-layers: expected FIRST-LAST or"),
                                  ("--read-layers", "2,2", "argument --read-layers: expected FIRST-LAST or"),
-                                 ("--subspace-dims", "-1", "argument --subspace-dims:")):
+                                 ("--subspace-dims", "-1", "argument --subspace-dims:"),
+                                 ("--replay-generated", "-1", "argument --replay-generated:")):
         with pytest.raises(SystemExit) if message.startswith("argument") else contextlib.nullcontext():
             assert cli.main(["train", "decoder", "--output", str(out), flag, value]) == 2
         assert message in capsys.readouterr().err

@@ -103,6 +103,7 @@ class DecoderConfig:
     batches: tuple[BatchSpec, ...] = DEFAULT_BATCHES  # step s (1-based) uses batches[(s - 1) % len]
     replay_batch_size: int = 4  # text-only replay conversations added to every step
     replay_weight: float = 1.0
+    replay_generated: int = 0  # prompts the frozen decoder writes itself, added to the train replay bank
     image_norm_weight: float = 0.1  # stage 1's penalty on the image tokens' norms (`vision.TrainConfig`)
     read_weight: float = 0.0  # weight of the read loss (`read_loss`); 0 = off
     read_layers: tuple[int, ...] = ()  # the decoder layers whose attention the read loss supervises
@@ -124,6 +125,8 @@ class DecoderConfig:
         if not self.learning_rate > 0 or not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"need learning_rate > 0 and 0 <= warmup_steps < steps, got "
                              f"{self.learning_rate}, {self.warmup_steps}, {self.steps}")
+        if self.replay_generated < 0:
+            raise ValueError(f"replay_generated must be >= 0, got {self.replay_generated}")
         if self.subspace_dims < 0:
             raise ValueError(f"subspace_dims must be >= 0 (0: adapters read every input direction), got {self.subspace_dims}")
         if not self.batches:
@@ -421,7 +424,7 @@ def train(model, config: DecoderConfig, output: str, *, batch_fn: Callable[[int]
     if restored is not None:
         step, trainable, opt_state = restored
         truncate_log(os.path.join(output, LOG), step)
-    train_bank = replay_bank or replay.bank(model, output, "train", config.seed)
+    train_bank = replay_bank or replay.bank(model, output, "train", config.seed, config.replay_generated, progress)
     encoder = Encoder.of(model) if batch_fn is None else None
     image_size = cfg.pixel_shape[-1]
     if batch_fn is None:

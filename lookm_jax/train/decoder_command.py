@@ -52,6 +52,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--warmup-steps", type=int_at_least(0), default=30, help="linear warmup steps")
     p.add_argument("--replay-batch-size", type=int_at_least(1), default=4, help="text-only replay prompts per step")
     p.add_argument("--replay-weight", type=finite_float, default=1.0, help="weight of the replay KL to the frozen decoder, >= 0")
+    p.add_argument("--replay-generated", type=int_at_least(0), default=0,
+                   help="text prompts the frozen decoder writes itself (its chat template opened for a user turn, "
+                        "sampled), answered by it and added to the replay's templated prompts (0: templates only)")
     p.add_argument("--read-weight", type=finite_float, default=0.0,
                    help="weight of the read loss, >= 0: the attention from each answer onto the patches of what it "
                         "is about, in --read-layers (0: off)")
@@ -89,7 +92,8 @@ def decoder_config(args):
     return decoder.DecoderConfig(
         steps=args.steps, rank=args.rank, scale=args.scale, learning_rate=args.learning_rate,
         projector_learning_rate=args.projector_learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
-        replay_batch_size=args.replay_batch_size, replay_weight=args.replay_weight, eval_every=args.eval_every,
+        replay_batch_size=args.replay_batch_size, replay_weight=args.replay_weight,
+        replay_generated=args.replay_generated, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, init=args.init, read_weight=args.read_weight,
         read_layers=args.read_layers, subspace_dims=args.subspace_dims,
         batches=decoder.weighted_batches(dict(args.kind_weight)))

@@ -5,11 +5,14 @@ also fits the frozen SmolLM2's own greedy continuation of a text-only prompt (se
 its first `REPLAY_TOKENS` tokens, cross-entropy on the token ids it produced: no re-tokenisation).
 Prompts are composed from templates and fillers; the "heldout" split uses fillers and two template
 families the "train" split never draws, so the agreement measured on it is on prompts training never saw.
+The train bank may add prompts the frozen decoder writes itself (`generated_prompts`, Magpie's recipe):
+far more varied text than the templates, so what the replay holds fixed is more of what text can be.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 
@@ -58,6 +61,8 @@ FILLERS = {
 NUMBER_RANGES = {"train": (2, 40), "heldout": (41, 99)}  # operands of the arithmetic prompts
 NUMBER_PAIRS = 40
 SPLITS = ("train", "heldout")
+GENERATED_TOKENS = 48  # the most tokens a generated user turn may take (longer ones are dropped)
+GENERATION_BATCH = 32
 
 
 def prompts(split: str, seed: int) -> tuple[str, ...]:
@@ -98,12 +103,15 @@ class Bank:
         return cls(**{k: tuple(tuple(v) if isinstance(v, list) else v for v in data[k]) for k in data})
 
 
-def greedy_continuations(model, prompt_ids: list[np.ndarray], batch_size: int = 32) -> list[list[int]]:
+def greedy_continuations(model, prompt_ids: list[np.ndarray], batch_size: int = 32,
+                         progress: bool = False) -> list[list[int]]:
     """Greedy continuations of chat-rendered prompts ([1, L] ids each), REPLAY_TOKENS long, cut after
     the first end-of-sequence token. Right-padded batches through `model.generate` (full cache)."""
+    from tqdm import tqdm
+
     eos = set(model.text_config.eos_token_ids)
     out = []
-    for i in range(0, len(prompt_ids), batch_size):
+    for i in tqdm(range(0, len(prompt_ids), batch_size), desc="replay continuations", unit="batch", disable=not progress):
         rows = [p[0] for p in prompt_ids[i:i + batch_size]]
         width = max(len(r) for r in rows)
         ids = np.zeros((len(rows), width), np.int32)
@@ -117,23 +125,57 @@ def greedy_continuations(model, prompt_ids: list[np.ndarray], batch_size: int = 
     return out
 
 
-def make_bank(model, split: str, seed: int) -> Bank:
-    """The prompts of `split` answered by `model` (the frozen decoder)."""
-    texts = prompts(split, seed)
+def generated_prompts(model, count: int, seed: int, progress: bool = False) -> tuple[str, ...]:
+    """`count` distinct user turns written by `model` itself (Magpie, Xu et al. 2024): its chat template
+    rendered up to where a user's text begins, then sampled (temperature 1) until its end-of-turn
+    token. Turns that do not end within GENERATED_TOKENS, hold an image marker, or equal a held-out
+    prompt (seeds 0 and `seed`) are dropped. Deterministic in (model, count, seed)."""
+    from tqdm import tqdm
+
+    from lookm_jax.models import processors
+
+    marker = "\x00user-text\x00"
+    rendered = model.chat_text(marker)
+    prefix = np.asarray([model.processor.encode(model.tokenizer, rendered[:rendered.index(marker)], None)], np.int32)
+    held_out = {p.strip().lower() for s in {0, seed} for p in prompts("heldout", s)}
+    eos = set(model.text_config.eos_token_ids)
+    found: dict[str, None] = {}  # insertion-ordered set
+    bar = tqdm(total=count, desc="replay prompts", unit="prompt", disable=not progress)
+    for draw in itertools.count():
+        if len(found) >= count:
+            break
+        tokens = model.generate(np.repeat(prefix, GENERATION_BATCH, axis=0), max_new_tokens=GENERATED_TOKENS,
+                                temperature=1.0, seed=int(np.random.default_rng([11, seed, draw]).integers(2**31)))
+        for row in np.asarray(tokens).tolist():
+            end = next((i for i, t in enumerate(row) if t in eos), None)
+            text = None if end is None else model.decode_text(np.asarray(row[:end], np.int32)).strip()
+            if text and processors.IMAGE_MARKER not in text and text.lower() not in held_out and text not in found:
+                found[text] = None
+                bar.update(1)
+    bar.close()
+    return tuple(found)[:count]
+
+
+def make_bank(model, split: str, seed: int, generated: int = 0, progress: bool = False) -> Bank:
+    """The prompts of `split` (+ `generated` prompts `model` writes itself) answered by `model`, the
+    frozen decoder."""
+    texts = prompts(split, seed) + (generated_prompts(model, generated, seed, progress) if generated else ())
     ids = [model.encode_chat(t) for t in texts]
-    continuations = greedy_continuations(model, ids)
+    continuations = greedy_continuations(model, ids, progress=progress)
     return Bank(tuple(texts), tuple(tuple(int(t) for t in i[0]) for i in ids), tuple(map(tuple, continuations)))
 
 
-def bank(model, directory: str, split: str, seed: int) -> Bank:
+def bank(model, directory: str, split: str, seed: int, generated: int = 0, progress: bool = False) -> Bank:
     """The run's bank of `split` (replay_{split}.json in `directory`), made once by the frozen model
-    and read back on resume (made again if its prompts are not this split's)."""
+    and read back on resume (made again if its prompts are not this split's templates followed by
+    `generated` others)."""
     path = os.path.join(directory, f"replay_{split}.json")
+    templated = prompts(split, seed)
     if os.path.exists(path):
         saved = Bank.load(path)
-        if saved.prompts == prompts(split, seed):
+        if saved.prompts[:len(templated)] == templated and len(saved.prompts) == len(templated) + generated:
             return saved
-    made = make_bank(model, split, seed)
+    made = make_bank(model, split, seed, generated, progress)
     made.save(path)
     return made
 
