@@ -74,6 +74,21 @@ def answer_text(answer: str) -> str:
     return answer.capitalize() + "."
 
 
+def listed_count(question: Question) -> str:
+    """A count of pictures answered listing them first: "2,5,7: three.", "None: zero." (a small decoder
+    counts what it has just written down; digits and commas are one token each)."""
+    listed = ",".join(str(k + 1) for k in question.counted) or "None"
+    return f"{listed}: {question.answer}."
+
+
+def spoken_answer(question: Question, listed_counts: bool = False) -> str:
+    """The trained answer to `question`: `answer_text`, or with `listed_counts` a count of pictures
+    as `listed_count`."""
+    if listed_counts and question.kind == "count_pictures":
+        return listed_count(question)
+    return answer_text(question.answer)
+
+
 def split_rng(split: str, seed: int, index: int) -> np.random.Generator:
     """The generator of sample `index` of a split: the same triple always gives the same sample."""
     if split not in SPLITS:

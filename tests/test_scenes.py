@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import re
@@ -76,6 +77,19 @@ def test_scoring_reads_the_first_word_or_the_needle():
     assert bench.is_correct("yellow", "Yellow.") and not bench.is_correct("yellow", "The shape is yellow.")
     assert bench.is_correct("picture 3", "Picture 3.") and not bench.is_correct("picture 3", "Picture 13.")
     assert bench.is_correct("4821", "The number is 4821.") and not bench.is_correct("4821", "48210")
+
+
+def test_a_count_is_read_from_the_last_number_word_of_the_first_sentence():
+    """Counts answered alone or listing the pictures first (`scenes.listed_count`) score alike."""
+    assert bench.is_correct("three", "Three.") and bench.is_correct("three", "2,5,7: three.")
+    assert bench.is_correct("zero", "None: zero.") and bench.is_correct("one", "4: one. Two more")
+    assert not bench.is_correct("three", "2,5,7: two.") and not bench.is_correct("three", "2,5,7,")
+    assert not bench.is_correct("two", "Three. Two")
+    q = lambda counted: scenes.Question("count_pictures", "", scenes.NUMBERS[len(counted)], counted=counted)  # noqa: E731
+    assert [scenes.listed_count(q(c)) for c in ((), (3,), (1, 4, 6))] == ["None: zero.", "4: one.", "2,5,7: three."]
+    assert scenes.spoken_answer(q((1, 4, 6)), listed_counts=True) == "2,5,7: three."
+    assert scenes.spoken_answer(q((1, 4, 6))) == "Three." == scenes.spoken_answer(
+        dataclasses.replace(q((1,)), kind="count", answer="three"), listed_counts=True)
 
 
 def test_every_task_prompt_is_mostly_image_tokens(demo):

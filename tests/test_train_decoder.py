@@ -160,15 +160,18 @@ def test_stage_two_batches_cover_every_picture_kind_and_fit_their_static_shapes(
 
     demo = loading.demo_model(decoder="frozen")
     encoder = Encoder.of(demo)
-    asked = set()
-    for spec in decoder.DEFAULT_BATCHES[1:4]:
+    asked, listed = set(), 0
+    for spec in decoder.DEFAULT_BATCHES[1:4] + decoder.with_listed_counts()[1:4]:
         for i in range(24):
             sample = scenes.multi_picture_sample("train", 0, i, spec.picture_count("train", 0, i), spec.turns,
                                                  spec.kinds, text_fact=spec.text_facts)
-            ids, role = encoder.conversation(multi_picture_conversation(sample))
+            conversation = multi_picture_conversation(sample, spec.listed_counts)
+            ids, role = encoder.conversation(conversation)
             assert len(ids) <= spec.length and sum(1 for r in role if r) <= spec.max_targets
             asked |= {q.kind for q in sample.questions}
-    assert asked == set(scenes.PICTURE_KINDS) | {"text_fact"}
+            listed += sum(a[0].isdigit() or a.startswith("None:") for _, a in conversation)
+    assert asked == set(scenes.PICTURE_KINDS) | {"text_fact"} and listed > 0
+    assert decoder.with_listed_counts()[0] == decoder.DEFAULT_BATCHES[0]  # single pictures unchanged
     with pytest.raises(ValueError, match="unknown question kinds"):
         BatchSpec(batch_size=1, pictures=2, turns=1, length=8, max_targets=2, kinds=("colour_of_sky",))
 
@@ -390,6 +393,8 @@ def test_decoder_command_read_flags_reach_the_config_and_bad_ones_are_refused(tm
     assert config("--read-weight", "0.2", "--read-layers", "3,5").read_layers == (3, 5)
     assert config().subspace_dims == 0 and config("--subspace-dims", "64").subspace_dims == 64
     assert config().replay_generated == 0 and config("--replay-generated", "1500").replay_generated == 1500
+    assert config().batches == decoder.DEFAULT_BATCHES
+    assert config("--listed-counts").batches == decoder.with_listed_counts()
     out = tmp_path / "run"
     for flag, value, message in (("--read-weight", "0.2", "--read-weight > 0 needs --read-layers (e.g. 19-26)"),
                                  ("--read-weight", "-1", "--read-weight must be >= 0, got -1.0"),

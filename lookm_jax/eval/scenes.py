@@ -53,13 +53,23 @@ def described(answer: str, output: str) -> bool:
     return first(scenes.COLOURS) == colour and first(scenes.SHAPES) == shape
 
 
+def counted(answer: str, output: str) -> bool:
+    """A count ("three") is right when it is the last number word of the output's first sentence, so
+    that an answer may list what it counts first ("Pictures 2, 5 and 7: three.", `scenes.listed_count`)."""
+    numbers = [w for w in re.findall(r"[a-z]+", output.lower().split(".")[0]) if w in scenes.NUMBERS]
+    return bool(numbers) and numbers[-1] == answer
+
+
 def is_correct(answer: str, output: str) -> bool:
     """A needle's 4 digits as a whole number (`needle.is_correct`); a description by its colour and
-    shape (`described`); any other scene answer as the first word."""
+    shape (`described`); a count by its last number word (`counted`); any other scene answer as the
+    first word."""
     if answer.isdigit():
         return needle.is_correct(answer, output)
     if answer.startswith("a "):
         return described(answer, output)
+    if answer in scenes.NUMBERS:
+        return counted(answer, output)
     return first_word(output) == answer
 
 
@@ -121,7 +131,7 @@ def _key(seed: int, pictures: int, task: str, asked: str, sample: int) -> dict:
 
 
 def run_benchmark(model, configs: list[harness.SweepConfig], tasks, pictures, n: int, seed: int, jsonl_path: str,
-                  *, batch_size: int = 4, max_new_tokens: int = 16, max_decode_rows: int = 16, asked: str = ASKED[0],
+                  *, batch_size: int = 4, max_new_tokens: int = 24, max_decode_rows: int = 16, asked: str = ASKED[0],
                   log=print) -> list[dict]:
     """Every task at every picture count, n samples each, answered by every config; rows appended
     to `jsonl_path` and resumed (`harness.run_prompts`). Returns the rows of these settings."""
@@ -280,8 +290,8 @@ def add_parser(subparsers) -> None:
                    "\"lookm:image_quota=proportional,merge_scope=same_modality\", weights as 1/2/3)")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the bench split's pictures and questions")
     p.add_argument("--batch-size", type=int, default=4, help="samples prefilled together")
-    p.add_argument("--max-new-tokens", type=int, default=16,
-                   help="greedy tokens per answer (the needle's sentence takes ~12)")
+    p.add_argument("--max-new-tokens", type=int, default=24,
+                   help="greedy tokens per answer (the needle's sentence takes ~12, a listed count of 8 pictures up to 19)")
     p.add_argument("--max-decode-rows", type=int, default=16, help="rows per shared decode call")
     p.add_argument("--jsonl", type=path_arg, help="per-sample rows, appended and resumed (default: results/scenes/MODE.jsonl)")
     p.add_argument("--output", type=path_arg, help="summary CSV in the `lookm plot sweep` format (default: docs/scenes_MODE.csv, "

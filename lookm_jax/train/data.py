@@ -129,8 +129,10 @@ def single_picture_conversation(sample: scenes.SingleSample) -> list[tuple[str, 
     return turns
 
 
-def multi_picture_conversation(sample: scenes.MultiSample) -> list[tuple[str, str]]:
-    turns = [(q.text, scenes.answer_text(q.answer)) for q in sample.questions]
+def multi_picture_conversation(sample: scenes.MultiSample, listed_counts: bool = False) -> list[tuple[str, str]]:
+    """The pictures and the first question in one user turn (`MultiSample.prompt`), each answer as
+    `scenes.spoken_answer` says it."""
+    turns = [(q.text, scenes.spoken_answer(q, listed_counts)) for q in sample.questions]
     turns[0] = (sample.prompt(sample.questions[0]), turns[0][1])
     return turns
 
@@ -177,6 +179,7 @@ class BatchSpec:
     min_pictures: int | None = None
     text_facts: bool = False  # multi-picture samples: one turn asks about a sentence (`scenes.FACT_SENTENCE`)
     kinds: tuple[str, ...] = scenes.MULTI_KINDS  # multi-picture question kinds (`scenes.MULTI_TEMPLATES`)
+    listed_counts: bool = False  # counts of pictures answered listing the pictures first (`scenes.listed_count`)
 
     def __post_init__(self):
         if self.min_pictures is not None and not 1 <= self.min_pictures <= self.pictures:
@@ -202,7 +205,7 @@ class BatchSpec:
         else:
             samples = [scenes.multi_picture_sample(split, seed, i, self.picture_count(split, seed, i), self.turns,
                                                    self.kinds, text_fact=self.text_facts) for i in indices]
-            conversations = [multi_picture_conversation(s) for s in samples]
+            conversations = [multi_picture_conversation(s, self.listed_counts) for s in samples]
             shown = [s.scenes for s in samples]
         pictures = [scenes.render(scene, image_size) for row in shown for scene in row]
         # Features fill the placeholders in order (`llava.embed`), so trailing pictures are unused.
