@@ -71,8 +71,8 @@ def add_parser(subparsers) -> None:
                    help="draw multi-picture question KIND N times as often as the others (repeatable; kinds: "
                         "picture_colour picture_shape which_picture count_pictures picture_position describe)")
     p.add_argument("--listed-counts", action="store_true",
-                   help="answer 'how many pictures show a SHAPE' listing the pictures first ('Pictures 2, 5 and 7: "
-                        "three.'), so the count is of what the answer has just written (default: the count alone)")
+                   help="answer 'how many pictures show a SHAPE' listing the pictures first ('2,5,7: three.'), so the "
+                        "count is of what the answer has just written (default: the count alone)")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the data streams and the adapters' init")
     p.add_argument("--stop-after", type=int_at_least(0),
                    help="end this call after N steps, resumable; 0 exports OUTPUT's checkpoint (default: run to --steps)")
@@ -92,6 +92,9 @@ def decoder_config(args):
     for flag in ("projector_learning_rate", "replay_weight", "read_weight"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    batches = decoder.weighted_batches(dict(args.kind_weight))
+    if args.listed_counts:
+        batches = decoder.with_listed_counts(batches)
     return decoder.DecoderConfig(
         steps=args.steps, rank=args.rank, scale=args.scale, learning_rate=args.learning_rate,
         projector_learning_rate=args.projector_learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
@@ -99,7 +102,7 @@ def decoder_config(args):
         replay_generated=args.replay_generated, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, init=args.init, read_weight=args.read_weight,
         read_layers=args.read_layers, subspace_dims=args.subspace_dims,
-        batches=(decoder.with_listed_counts if args.listed_counts else tuple)(decoder.weighted_batches(dict(args.kind_weight))))
+        batches=batches)
 
 
 def cmd_decoder(args) -> int:
