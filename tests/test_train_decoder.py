@@ -109,6 +109,15 @@ def test_replay_batch_targets_are_the_frozen_decoders_greedy_tokens(tiny):
                                                                   shifted)) < 0.9
 
 
+def test_replay_rows_draw_half_from_the_generated_prompts_only_when_there_are_some():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        rows = decoder.replay_rows(rng, 170, 8, 4)  # 162 templated + 8 generated
+        assert len(set(rows)) == 4 and sum(rows < 162) == 2 and rows.max() < 170
+        assert len(set(decoder.replay_rows(rng, 6, 0, 4))) == 4
+    assert sum(decoder.replay_rows(rng, 170, 8, 5) >= 162) == 2
+
+
 def test_replay_agreement_counts_positions_and_pads_stopped_rows():
     assert replay.agreement([[1, 2, 3]], [[1, 2, 3]]) == 1.0
     assert replay.agreement([[1, 2, 9]], [[1, 2, 3] + [5] * 29]) == pytest.approx(2 / 32)

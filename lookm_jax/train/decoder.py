@@ -279,6 +279,16 @@ def replay_batch(bank: replay.Bank, indices, length: int = REPLAY_LENGTH) -> dic
     return out
 
 
+def replay_rows(rng: np.random.Generator, bank_size: int, generated: int, count: int) -> np.ndarray:
+    """`count` distinct rows of a replay bank whose last `generated` prompts the frozen decoder wrote
+    itself: half of them (rounded down) drawn from those, the rest from the templated ones, so the
+    templated prompts (the Paris question among them) are replayed as often whatever `generated` is."""
+    mixed = count // 2 if generated else 0
+    templated = bank_size - generated
+    return np.concatenate([rng.choice(templated, count - mixed, replace=False),
+                           templated + rng.choice(generated, mixed, replace=False)])
+
+
 def replay_metrics(text_cfg, adapted: dict, frozen: dict, batch: dict) -> tuple[jax.Array, jax.Array]:
     """(KL(frozen || adapted) of the next-token distributions, mean over every position of a replay
     batch whose next token is in it, prompt and continuation alike; the share of the continuation's
@@ -461,7 +471,7 @@ def train(model, config: DecoderConfig, output: str, *, batch_fn: Callable[[int]
         batch = batch_fn(step)
         arrays = arrays_of(batch)
         rng = np.random.default_rng([config.seed, step])  # seeded by the step: a resumed run draws the same
-        rows = rng.choice(len(train_bank.prompts), config.replay_batch_size, replace=False)
+        rows = replay_rows(rng, len(train_bank.prompts), config.replay_generated, config.replay_batch_size)
         arrays["replay"] = jax.tree.map(jnp.asarray, replay_batch(train_bank, rows))
         trainable, opt_state, loss, step_metrics = train_step(trainable, opt_state, frozen, arrays)
         loss = float(loss)
