@@ -116,6 +116,9 @@ def test_replay_rows_draw_half_from_the_generated_prompts_only_when_there_are_so
         assert len(set(rows)) == 4 and sum(rows < 162) == 2 and rows.max() < 170
         assert len(set(decoder.replay_rows(rng, 6, 0, 4))) == 4
     assert sum(decoder.replay_rows(rng, 170, 8, 5) >= 162) == 2
+    for size, generated in ((1, 5), (4, 1)):  # a step's generated rows would be none, or more than there are
+        with pytest.raises(ValueError, match="replay_generated > 0 needs replay_batch_size >= 2"):
+            _config(3, replay_batch_size=size, replay_generated=generated)
 
 
 def test_replay_agreement_counts_positions_and_pads_stopped_rows():
@@ -125,7 +128,7 @@ def test_replay_agreement_counts_positions_and_pads_stopped_rows():
     assert len(replay.prompts("heldout", 0)) >= 100
 
 
-def test_generated_replay_prompts_are_the_models_own_distinct_user_turns(demo, tmp_path, monkeypatch):
+def test_generated_replay_prompts_are_the_models_own_distinct_user_turns(demo, tiny, tmp_path, monkeypatch):
     """Magpie's recipe on the demo: distinct, seeded user turns, none a held-out prompt; the train bank
     holds the templates then them, and is read back on resume only for the same count."""
     from lookm_jax.models.processors import IMAGE_MARKER
@@ -135,6 +138,11 @@ def test_generated_replay_prompts_are_the_models_own_distinct_user_turns(demo, t
     assert len(first) == len(set(first)) == 5 and all(p and IMAGE_MARKER not in p for p in first)
     assert replay.generated_prompts(demo, 5, seed=3) == first
     assert replay.generated_prompts(demo, 5, seed=4) != first
+    with monkeypatch.context() as patch, pytest.raises(ValueError, match=r"in 3 batches of 8, fewer than the 20 asked"):
+        patch.setattr(replay, "GENERATION_DRAWS", 1)  # a batch of 8 for every 8 asked: too few usable turns
+        replay.generated_prompts(demo, 20, seed=3)
+    with pytest.raises(ValueError, match="need a model with a chat template"):
+        replay.generated_prompts(tiny, 2, seed=3)
     templated = {"train": ("Name a colour.",), "heldout": (first[0].upper(),)}  # a held-out prompt is never drawn
     monkeypatch.setattr(replay, "prompts", lambda split, seed: templated[split])
     assert first[0] not in replay.generated_prompts(demo, 5, seed=3)

@@ -68,7 +68,7 @@ DEFAULT_BATCHES = (
     _pictures(1, 9, 16, turns=8, length=1408, max_targets=56),
     _pictures(2, 5, 8, turns=6, length=768, max_targets=40),
 )
-REPLAY_LENGTH = 128  # a chat-rendered replay prompt (<= 60 tokens here) + its continuation (<= 32)
+REPLAY_LENGTH = 128  # a chat-rendered replay prompt (<= 60 tokens templated, <= 80 generated) + its continuation (<= 32)
 ADAPTERS_FILE, VISION_FILE = "demo_adapters.safetensors", "demo_vision.safetensors"  # a run's exported weights
 SHIPPED = "shipped"  # `DecoderConfig.init`: start from the demo's shipped adapters and projector
 SUBSPACE_FILE = "adapter_subspace.safetensors"  # a restricted run's bases (`subspace`), made at its start
@@ -138,6 +138,9 @@ class DecoderConfig:
         if not self.learning_rate > 0 or not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"need learning_rate > 0 and 0 <= warmup_steps < steps, got "
                              f"{self.learning_rate}, {self.warmup_steps}, {self.steps}")
+        if self.replay_generated and not 1 <= self.replay_batch_size // 2 <= self.replay_generated:
+            raise ValueError(f"replay_generated > 0 needs replay_batch_size >= 2 and replay_generated >= half of it (the "
+                             f"generated prompts' rows of a step), got {self.replay_generated} and {self.replay_batch_size}")
         if self.replay_generated < 0:
             raise ValueError(f"replay_generated must be >= 0, got {self.replay_generated}")
         if self.subspace_dims < 0:
@@ -212,14 +215,15 @@ def adapter_subspace(model, config: DecoderConfig, initial: dict, output: str, b
     steps' batches, through the model the run starts from: `initial`'s adapters, unrestricted, and
     projector) against the train replay bank's prompts and continuations (through the frozen decoder).
     Made once into SUBSPACE_FILE in `output` and read back on resume; made again if it was made for
-    other settings (dims, init, seed)."""
+    other settings (dims, init, seed, the replay bank's size)."""
     from safetensors import safe_open
     from safetensors.numpy import save
     from tqdm import tqdm
 
     path = os.path.join(output, SUBSPACE_FILE)
     text = model.params["text"]
-    made_for = {"subspace_dims": str(config.subspace_dims), "init": str(config.init), "seed": str(config.seed)}
+    made_for = {"subspace_dims": str(config.subspace_dims), "init": str(config.init), "seed": str(config.seed),
+                "replay_prompts": str(len(bank.prompts))}
     if os.path.exists(path):
         with safe_open(path, "np") as saved:
             if saved.metadata() == made_for:
@@ -281,8 +285,9 @@ def replay_batch(bank: replay.Bank, indices, length: int = REPLAY_LENGTH) -> dic
 
 def replay_rows(rng: np.random.Generator, bank_size: int, generated: int, count: int) -> np.ndarray:
     """`count` distinct rows of a replay bank whose last `generated` prompts the frozen decoder wrote
-    itself: half of them (rounded down) drawn from those, the rest from the templated ones, so the
-    templated prompts (the Paris question among them) are replayed as often whatever `generated` is."""
+    itself: half of them (rounded down) drawn from those, the rest from the templated ones, so each
+    templated prompt (the Paris question among them) is replayed at least half as often as without
+    generated prompts, not a tenth as often as a uniform draw over 162 + 1500 would."""
     mixed = count // 2 if generated else 0
     templated = bank_size - generated
     return np.concatenate([rng.choice(templated, count - mixed, replace=False),
@@ -390,7 +395,8 @@ def make_step(cfg, tx: optax.GradientTransformation, config: DecoderConfig) -> C
 class HeldOut:
     """Teacher-forced first-answer-token accuracy on fixed held-out batches: single pictures, the
     held-out colour-shape combination, 8 pictures (every one-word kind of `scenes.PICTURE_KINDS`:
-    "describe" starts with "A"), and the held-out replay prompts' continuations (every token)."""
+    "describe" starts with "A"; counts listed first if the run trains them so), and the held-out
+    replay prompts' continuations (every token)."""
 
     def __init__(self, encoder: Encoder, config: DecoderConfig, image_size: int, held_out_bank: replay.Bank,
                  batch_size: int = 8):
@@ -398,6 +404,7 @@ class HeldOut:
         single = single_picture_spec(batch_size, turns=1)
         one_word = tuple(k for k in scenes.PICTURE_KINDS if k != "describe")
         eight = _pictures(batch_size // 2, 8, 8, turns=1, length=704, max_targets=16, text_facts=False, kinds=one_word)
+        eight = dataclasses.replace(eight, listed_counts=any(spec.listed_counts for spec in config.batches))
         self.batches = {split: [arrays_of(single.make(encoder, split, config.seed, i * batch_size, image_size))
                                 for i in range(count)] for split in ("heldout", "combination")}
         self.batches["eight_pictures"] = [arrays_of(eight.make(encoder, "heldout", config.seed, i * eight.batch_size,

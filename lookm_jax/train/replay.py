@@ -12,7 +12,6 @@ far more varied text than the templates, so what the replay holds fixed is more 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import os
 
@@ -63,6 +62,7 @@ NUMBER_PAIRS = 40
 SPLITS = ("train", "heldout")
 GENERATED_TOKENS = 48  # the most tokens a generated user turn may take (longer ones are dropped)
 GENERATION_BATCH = 32
+GENERATION_DRAWS = 10  # batches drawn at most per GENERATION_BATCH prompts asked (SmolLM2: ~1.5)
 
 
 def prompts(split: str, seed: int) -> tuple[str, ...]:
@@ -134,6 +134,8 @@ def generated_prompts(model, count: int, seed: int, progress: bool = False) -> t
 
     from lookm_jax.models import processors
 
+    if not model.manifest.get("chat_template"):
+        raise ValueError("generated replay prompts need a model with a chat template (to open a user turn)")
     marker = "\x00user-text\x00"
     rendered = model.chat_text(marker)
     prefix = np.asarray([model.processor.encode(model.tokenizer, rendered[:rendered.index(marker)], None)], np.int32)
@@ -141,7 +143,8 @@ def generated_prompts(model, count: int, seed: int, progress: bool = False) -> t
     eos = set(model.text_config.eos_token_ids)
     found: dict[str, None] = {}  # insertion-ordered set
     bar = tqdm(total=count, desc="replay prompts", unit="prompt", disable=not progress)
-    for draw in itertools.count():
+    draws = GENERATION_DRAWS * -(-count // GENERATION_BATCH)
+    for draw in range(draws):
         if len(found) >= count:
             break
         tokens = model.generate(np.repeat(prefix, GENERATION_BATCH, axis=0), max_new_tokens=GENERATED_TOKENS,
@@ -153,6 +156,9 @@ def generated_prompts(model, count: int, seed: int, progress: bool = False) -> t
                 found[text] = None
                 bar.update(1)
     bar.close()
+    if len(found) < count:
+        raise ValueError(f"the model wrote {len(found)} usable distinct user turns in {draws} batches of "
+                         f"{GENERATION_BATCH}, fewer than the {count} asked")
     return tuple(found)[:count]
 
 
