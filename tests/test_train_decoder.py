@@ -119,6 +119,8 @@ def test_replay_rows_draw_half_from_the_generated_prompts_only_when_there_are_so
     for size, generated in ((1, 5), (4, 1)):  # a step's generated rows would be none, or more than there are
         with pytest.raises(ValueError, match="replay_generated > 0 needs replay_batch_size >= 2"):
             _config(3, replay_batch_size=size, replay_generated=generated)
+    with pytest.raises(ValueError, match="replay_generated must be >= 0, got -1"):
+        _config(3, replay_generated=-1)
 
 
 def test_replay_agreement_counts_positions_and_pads_stopped_rows():

@@ -55,7 +55,7 @@ def described(answer: str, output: str) -> bool:
 
 def counted(answer: str, output: str) -> bool:
     """A count ("three") is right when it is the last number word of the output's first sentence, so
-    that an answer may list what it counts first ("Pictures 2, 5 and 7: three.", `scenes.listed_count`)."""
+    that an answer may list what it counts first ("2,5,7: three.", `scenes.listed_count`)."""
     numbers = [w for w in re.findall(r"[a-z]+", output.lower().split(".")[0]) if w in scenes.NUMBERS]
     return bool(numbers) and numbers[-1] == answer
 
@@ -291,7 +291,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the bench split's pictures and questions")
     p.add_argument("--batch-size", type=int, default=4, help="samples prefilled together")
     p.add_argument("--max-new-tokens", type=int, default=24,
-                   help="greedy tokens per answer (the needle's sentence takes ~12, a listed count of 8 pictures up to 19)")
+                   help="greedy tokens per answer (the needle's sentence takes ~12, a listed count of 8 pictures up to 18)")
     p.add_argument("--max-decode-rows", type=int, default=16, help="rows per shared decode call")
     p.add_argument("--jsonl", type=path_arg, help="per-sample rows, appended and resumed (default: results/scenes/MODE.jsonl)")
     p.add_argument("--output", type=path_arg, help="summary CSV in the `lookm plot sweep` format (default: docs/scenes_MODE.csv, "

@@ -138,11 +138,11 @@ class DecoderConfig:
         if not self.learning_rate > 0 or not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"need learning_rate > 0 and 0 <= warmup_steps < steps, got "
                              f"{self.learning_rate}, {self.warmup_steps}, {self.steps}")
+        if self.replay_generated < 0:
+            raise ValueError(f"replay_generated must be >= 0, got {self.replay_generated}")
         if self.replay_generated and not 1 <= self.replay_batch_size // 2 <= self.replay_generated:
             raise ValueError(f"replay_generated > 0 needs replay_batch_size >= 2 and replay_generated >= half of it (the "
                              f"generated prompts' rows of a step), got {self.replay_generated} and {self.replay_batch_size}")
-        if self.replay_generated < 0:
-            raise ValueError(f"replay_generated must be >= 0, got {self.replay_generated}")
         if self.subspace_dims < 0:
             raise ValueError(f"subspace_dims must be >= 0 (0: adapters read every input direction), got {self.subspace_dims}")
         if not self.batches:
