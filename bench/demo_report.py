@@ -8,7 +8,9 @@ Prints, for the candidate model (the shipped demo, or a stage-2 run's exported w
 - held-out single-picture questions (`eval.scenes.single_picture_accuracy`, the four kinds in turn),
   also by the number of objects in the picture and on the questions that must tell one object of
   several from the others (colour, shape, side: "binding"), and the held-out colour-shape
-  combination (green triangles, never in training), scored on the answer's first word;
+  combination (green triangles, never in training), scored on the answer's first word; and as many
+  held-out questions again over scenes without a green triangle (`pairs="trained"`): the trained
+  skill apart from generalising to the unseen pair;
 - text only: the share of the first 32 greedy tokens equal to the frozen SmolLM2's on the held-out
   replay prompts (`train.replay`, none of which training reads), and the Paris question's answer.
 Multi-picture questions are `lookm eval scenes calibrate` (the full cache per task).
@@ -44,6 +46,7 @@ def main() -> None:
     frozen = loading.demo_model(vision="trained", decoder="frozen")
     print(f"candidate: decoder {candidate.manifest['decoder']}; vision {candidate.manifest['vision'][:60]}", flush=True)
     single = bench.single_picture_accuracy(candidate, "heldout", args.single, args.seed)
+    trained = bench.single_picture_accuracy(candidate, "heldout", args.single, args.seed, pairs="trained")
     combination = bench.single_picture_accuracy(candidate, "combination", args.combination, args.seed)
     prompts = replay.prompts("heldout", args.seed)
     ids = [candidate.encode_chat(p) for p in prompts]
@@ -55,6 +58,7 @@ def main() -> None:
                                                      max_new_tokens=16)[0])
     report = {"single_accuracy": single["accuracy"], "single_by_kind": single["by_kind"], "single_n": args.single,
               "single_by_objects": single["by_objects"], "single_binding": single["binding"],
+              "single_trained_accuracy": trained["accuracy"], "single_trained_by_kind": trained["by_kind"],
               "combination_accuracy": combination["accuracy"], "combination_n": args.combination,
               "text_agreement": agreement, "text_identical_share": exact, "text_prompts": len(prompts),
               "paris_answer": paris, "seconds": round(time.perf_counter() - start, 1)}
@@ -64,6 +68,8 @@ def main() -> None:
     if single["binding"] is not None:
         print(f"colour, shape or side of one object of several: {single['binding']:.3f} (answering about a random "
               "one of them: 1/2 or 1/3 for colour and shape, 0.46 over the first 600 held-out questions)")
+    print(f"single picture ({args.single} held-out, no green triangle in the scene): {trained['accuracy']:.3f}; "
+          + ", ".join(f"{k} {v:.3f}" for k, v in trained["by_kind"].items()))
     print(f"held-out combination ({args.combination}): {combination['accuracy']:.3f}")
     print(f"text ({len(prompts)} held-out prompts): {agreement:.3f} of the first {replay.REPLAY_TOKENS} greedy tokens "
           f"equal to the frozen decoder's; {exact:.2f} of the prompts identical throughout")

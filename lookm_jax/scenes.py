@@ -59,6 +59,10 @@ class Scene:
     gradient: tuple[float, float]  # brightness change across x and y, in grey levels
     noise_seed: int
 
+    def shows(self, pair: tuple[str, str]) -> bool:
+        """Whether an object of this scene is that (colour, shape) pair."""
+        return any((o.colour, o.shape) == pair for o in self.objects)
+
 
 @dataclasses.dataclass(frozen=True)
 class Question:
@@ -314,6 +318,10 @@ class MultiSample:
     scenes: tuple[Scene, ...]  # one object each; "picture k" is scenes[k - 1]
     questions: tuple[Question, ...]
     fact: tuple[int, str] | None = None  # (k, sentence): the sentence follows picture k (1-based)
+
+    def shows(self, pair: tuple[str, str]) -> bool:
+        """Whether any of the pictures shows that (colour, shape) pair."""
+        return any(s.shows(pair) for s in self.scenes)
 
     def prompt(self, question: Question) -> str:
         """MileBench-style: a "Picture k:" marker before each picture (the fact's sentence after its

@@ -117,6 +117,30 @@ def test_rows_written_before_the_asked_field_count_as_asked_in_the_prompt():
     assert bench.select_rows([old, new, after], configs, ["picture_colour"], [3], 1, 0, "after compression") == [after]
 
 
+def test_trained_pairs_keep_the_bench_samples_without_the_held_out_pair():
+    """pairs="trained" asks the first n bench samples whose pictures hold no green triangle, under their
+    own bench index (so their rows are the same rows as an all-pairs run's), and skips the others;
+    the needle's samples and the "all" selection are unchanged; the held-out single-picture questions
+    keep cycling the four kinds."""
+    every = [bench.task_sample("which_picture", 8, 0, i) for i in range(40)]
+    clean = [i for i, s in enumerate(every) if not s.shows(scenes.HELD_OUT)]
+    assert 5 < len(clean) < 35  # about half of 8 pictures hold one: both kinds are present
+    assert bench.sample_indices("which_picture", 8, 5, 0, "trained") == clean[:5]
+    assert bench.sample_indices("which_picture", 8, 5, 0) == bench.sample_indices("needle", 8, 5, 0, "trained") == list(range(5))
+    row = lambda i: {"seed": 0, "pictures": 8, "task": "which_picture", "sample": i, "label": "full", "budget": 1.0}  # noqa: E731
+    rows = [row(i) for i in range(40)]
+    configs = [harness.SweepConfig("full", 1.0)]
+    assert [r["sample"] for r in bench.select_rows(rows, configs, ["which_picture"], [8], 5, 0, pairs="trained")] == clean[:5]
+    questions = bench.held_out_questions("heldout", 40, pairs="trained")
+    assert not any(scene.shows(scenes.HELD_OUT) for scene, _ in questions)
+    assert [q.kind for _, q in questions] == [scenes.KINDS[i % 4] for i in range(40)]
+    assert any(scene.shows(scenes.HELD_OUT) for scene, _ in bench.held_out_questions("heldout", 40))
+    with pytest.raises(ValueError, match="pairs must be one of"):
+        bench.sample_indices("which_picture", 8, 5, 0, "seen")
+    with pytest.raises(ValueError, match="every scene"):
+        bench.held_out_questions("combination", 4, pairs="trained")
+
+
 def test_a_question_asked_after_compression_is_cut_from_the_whole_chat(demo):
     """The prefilled part ends where the question starts: prefilled + fed tokens = the whole chat."""
     for task, pictures in [(task, 3) for task in scenes.MULTI_KINDS] + [("needle", 6)]:

@@ -29,6 +29,11 @@ KEY_FIELDS = ("seed", "pictures", "task", "asked", "sample")
 # Where a sample's question is: in the prompt (its first answer token then comes from the prefill's
 # logits, computed before compression) or after compression (fed through the compressed cache).
 ASKED = ("in prompt", "after compression")
+# Which bench samples a picture task asks: all of them, or only those whose pictures show no
+# colour-shape pair the training split never showed (`scenes.HELD_OUT`, the green triangle, in about
+# half the samples of 8 pictures): the model's own skill apart from generalising to an unseen pair,
+# which the "combination" split reports. "trained" takes the first n such samples of the same stream.
+PAIRS = ("all", "trained")
 KEY_DEFAULTS = {"asked": ASKED[0]}  # rows written before the field asked in the prompt
 ROW_SCHEMA = {**harness.ROW_SCHEMA, "pictures": Field(int, 0), "task": Field(str),
               "asked": Field(str, choices=ASKED, optional=True)}  # absent: KEY_DEFAULTS
@@ -79,9 +84,25 @@ def task_sample(task: str, pictures: int, seed: int, index: int) -> scenes.Multi
     return scenes.multi_picture_sample("bench", seed, index, pictures, turns=1, kinds=(task,))
 
 
-def task_prompts(model, task: str, pictures: int, n: int, seed: int, asked: str = ASKED[0]) -> list[harness.Prompt]:
-    """Samples 0 .. n-1 of `task` with `pictures` pictures each, from the bench split, the question
-    `asked` in the prompt or after compression (prefilled onto the compressed cache)."""
+def sample_indices(task: str, pictures: int, n: int, seed: int, pairs: str = PAIRS[0]) -> list[int]:
+    """The bench indices of n samples of `task` (`PAIRS`): 0 .. n-1, or the first n whose pictures show
+    only trained pairs. The needle's pictures are never asked about: its samples are 0 .. n-1 either way."""
+    if pairs not in PAIRS:
+        raise ValueError(f"pairs must be one of {PAIRS}, got {pairs!r}")
+    if pairs == PAIRS[0] or task == "needle":
+        return list(range(n))
+    out, index = [], 0
+    while len(out) < n:  # a sample of 16 pictures holds no held-out pair about a quarter of the time
+        if not task_sample(task, pictures, seed, index).shows(scenes.HELD_OUT):
+            out.append(index)
+        index += 1
+    return out
+
+
+def task_prompts(model, task: str, pictures: int, n: int, seed: int, asked: str = ASKED[0],
+                 pairs: str = PAIRS[0]) -> list[harness.Prompt]:
+    """n samples of `task` with `pictures` pictures each, from the bench split (`sample_indices`), the
+    question `asked` in the prompt or after compression (prefilled onto the compressed cache)."""
     if asked not in ASKED:
         raise ValueError(f"asked must be one of {ASKED}, got {asked!r}")
     size = model.config.pixel_shape[-1]
@@ -102,7 +123,7 @@ def task_prompts(model, task: str, pictures: int, n: int, seed: int, asked: str 
             out.append(harness.Prompt(_key(seed, pictures, task, asked, i), text, s.answer, pixels,
                                       {"depth": s.depth}, after=after))
         return out
-    for i in range(n):
+    for i in sample_indices(task, pictures, n, seed, pairs):
         sample = task_sample(task, pictures, seed, i)
         question = sample.questions[0]
         pixels, _ = model.preprocess_images([scenes.render(s, size) for s in sample.scenes])
@@ -132,23 +153,26 @@ def _key(seed: int, pictures: int, task: str, asked: str, sample: int) -> dict:
 
 def run_benchmark(model, configs: list[harness.SweepConfig], tasks, pictures, n: int, seed: int, jsonl_path: str,
                   *, batch_size: int = 4, max_new_tokens: int = 24, max_decode_rows: int = 16, asked: str = ASKED[0],
-                  log=print) -> list[dict]:
+                  pairs: str = PAIRS[0], log=print) -> list[dict]:
     """Every task at every picture count, n samples each, answered by every config; rows appended
     to `jsonl_path` and resumed (`harness.run_prompts`). Returns the rows of these settings."""
     batches = []
     for count in pictures:
         for task in tasks:
-            prompts = task_prompts(model, task, count, n, seed, asked)
+            prompts = task_prompts(model, task, count, n, seed, asked, pairs)
             batches += [prompts[i:i + batch_size] for i in range(0, n, batch_size)]
     harness.run_prompts(model, configs, batches, jsonl_path, KEY_FIELDS, is_correct, schema=ROW_SCHEMA,
                         max_new_tokens=max_new_tokens, max_decode_rows=max_decode_rows, key_defaults=KEY_DEFAULTS,
                         log=log)
-    return select_rows(harness.read_rows(jsonl_path, ROW_SCHEMA), configs, tasks, pictures, n, seed, asked)
+    return select_rows(harness.read_rows(jsonl_path, ROW_SCHEMA), configs, tasks, pictures, n, seed, asked, pairs)
 
 
-def select_rows(rows: list[dict], configs, tasks, pictures, n: int, seed: int, asked: str = ASKED[0]) -> list[dict]:
+def select_rows(rows: list[dict], configs, tasks, pictures, n: int, seed: int, asked: str = ASKED[0],
+                pairs: str = PAIRS[0]) -> list[dict]:
+    """The rows of these settings: the samples `sample_indices` names for each task and picture count."""
+    indices = {(task, count): set(sample_indices(task, count, n, seed, pairs)) for task in tasks for count in pictures}
     return harness.unique_rows(rows, KEY_FIELDS, configs, lambda r: (
-        r["seed"] == seed and r["task"] in tasks and r["pictures"] in pictures and r["sample"] < n
+        r["seed"] == seed and r["sample"] in indices.get((r["task"], r["pictures"]), ())
         and r.get("asked", KEY_DEFAULTS["asked"]) == asked), KEY_DEFAULTS)
 
 
@@ -222,14 +246,21 @@ def format_differences(differences: list[dict], label: str) -> str:
 
 # ---- the tower's held-out check -------------------------------------------------------------------
 
-def held_out_questions(split: str, n: int, seed: int = 0) -> list[tuple[scenes.Scene, scenes.Question]]:
-    """n questions of a split; the held-out split cycles through the four kinds evenly."""
+def held_out_questions(split: str, n: int, seed: int = 0, pairs: str = PAIRS[0]) -> list[tuple[scenes.Scene, scenes.Question]]:
+    """n questions of a split; the held-out split cycles through the four kinds evenly, over every
+    scene or (`pairs` "trained") only over scenes without the held-out pair (`PAIRS`)."""
+    if pairs not in PAIRS:
+        raise ValueError(f"pairs must be one of {PAIRS}, got {pairs!r}")
     if split == "combination":
+        if pairs != PAIRS[0]:
+            raise ValueError("the combination split shows the held-out pair in every scene: ask it with pairs 'all'")
         return [(s.scene, s.questions[0]) for s in scenes.single_picture_samples(split, seed, n)]
-    out = []
-    for i in range(n):
-        sample = scenes.single_picture_sample(split, seed, i, kind=scenes.KINDS[i % len(scenes.KINDS)])
-        out.append((sample.scene, sample.questions[0]))
+    out, index = [], 0
+    while len(out) < n:
+        sample = scenes.single_picture_sample(split, seed, index, kind=scenes.KINDS[len(out) % len(scenes.KINDS)])
+        index += 1
+        if pairs == PAIRS[0] or not sample.scene.shows(scenes.HELD_OUT):
+            out.append((sample.scene, sample.questions[0]))
     return out
 
 
@@ -249,13 +280,13 @@ def ask(model, pictures: list | None, prompts: list[str], batch_size: int = 12, 
     return answers
 
 
-def single_picture_accuracy(model, split: str = "heldout", n: int = 60, seed: int = 0) -> dict:
+def single_picture_accuracy(model, split: str = "heldout", n: int = 60, seed: int = 0, pairs: str = PAIRS[0]) -> dict:
     """{"accuracy", "by_kind": {kind: accuracy}, "by_objects": {objects in the picture: accuracy},
     "binding": accuracy of the colour, shape and position questions about one object of several (None
     without one), "rows": [(question, answer, output)]}. A model that reads a picture's objects but
     not which is which answers single objects right and "binding" near what answering about a random
     object of the picture gives (1/2 or 1/3 for colour and shape; 0.46 over the first 600 held-out)."""
-    items = held_out_questions(split, n, seed)
+    items = held_out_questions(split, n, seed, pairs)
     outputs = ask(model, [s for s, _ in items], [q.text for _, q in items])
     correct = [first_word(o) == q.answer for (_, q), o in zip(items, outputs)]
 
@@ -289,6 +320,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--methods", nargs="+", help="methods to sweep (default: all; lookm = its 8 variants; with options: "
                    "\"lookm:image_quota=proportional,merge_scope=same_modality\", weights as 1/2/3)")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the bench split's pictures and questions")
+    p.add_argument("--pairs", choices=PAIRS, default=PAIRS[0],
+                   help="all: bench samples 0 .. N-1; trained: the first N whose pictures show no colour-shape pair "
+                        "the training never showed (the green triangle, in about half the samples of 8 pictures; "
+                        "the needle's samples are the same either way)")
     p.add_argument("--batch-size", type=int, default=4, help="samples prefilled together")
     p.add_argument("--max-new-tokens", type=int, default=24,
                    help="greedy tokens per answer (the needle's sentence takes ~12, a listed count of 8 pictures up to 18)")
@@ -328,10 +363,11 @@ def cmd_scenes(args) -> int:
     if args.compare is not None and args.compare not in labels:
         raise ValueError(f"--compare {args.compare!r} is none of the configs' labels: {labels}")
     print(f"scenes {args.mode}: {len(configs)} configs x tasks {' '.join(args.tasks)} x pictures {args.pictures} x "
-          f"{args.samples} samples, seed {args.seed}, load average {harness.load_average()}", flush=True)
+          f"{args.samples} samples ({args.pairs} pairs), seed {args.seed}, load average {harness.load_average()}",
+          flush=True)
     if args.report_only:
         rows = select_rows(harness.read_rows(jsonl, ROW_SCHEMA), configs, args.tasks, args.pictures, args.samples,
-                           args.seed, asked)
+                           args.seed, asked, args.pairs)
         if not rows:
             raise ValueError(f"{jsonl} holds no rows for these settings")
     else:
@@ -339,7 +375,8 @@ def cmd_scenes(args) -> int:
         harness.check_multimodal(model, "the scenes benchmark")
         rows = run_benchmark(model, configs, args.tasks, args.pictures, args.samples, args.seed, jsonl,
                              batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                             max_decode_rows=args.max_decode_rows, asked=asked, log=lambda s: print(s, flush=True))
+                             max_decode_rows=args.max_decode_rows, asked=asked, pairs=args.pairs,
+                             log=lambda s: print(s, flush=True))
     table, tasks = summarize(rows), format_tasks(rows)  # both before the CSV: a bad row writes nothing
     harness.write_csv(output, table)
     print("accuracy per task\n" + tasks)
