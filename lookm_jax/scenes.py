@@ -71,6 +71,7 @@ class Question:
     answer: str  # one lower-case word
     subject: int | None = None  # the object (or picture) index the question names or reveals
     counted: tuple[int, ...] = ()  # count_pictures: the pictures its answer counts
+    shapes: tuple[str, ...] = ()  # count_pictures: every picture's shape, in order (`tallied_count`)
 
 
 def answer_text(answer: str) -> str:
@@ -85,11 +86,29 @@ def listed_count(question: Question) -> str:
     return f"{listed}: {question.answer}."
 
 
-def spoken_answer(question: Question, listed_counts: bool = False) -> str:
-    """The trained answer to `question`: `answer_text`, or with `listed_counts` a count of pictures
-    as `listed_count`."""
-    if listed_counts and question.kind == "count_pictures":
-        return listed_count(question)
+def tallied_count(question: Question) -> str:
+    """A count of pictures answered going through them in order: each picture's shape, the running count
+    after each one that shows the asked shape, then the count: "1 square (1), 2 circle, 3 square (2): two."
+    Each step reads one named picture (what a model answers best) instead of searching all of them at
+    once; the count is the last tally written."""
+    steps = []
+    for k, shape in enumerate(question.shapes):
+        tally = question.counted.index(k) + 1 if k in question.counted else 0
+        steps.append(f"{k + 1} {shape} ({tally})" if tally else f"{k + 1} {shape}")
+    return f"{', '.join(steps)}: {question.answer}."
+
+
+# How a count of pictures is answered: the count alone ("Three."), the pictures listed first
+# (`listed_count`), or every picture in turn with a running count (`tallied_count`).
+COUNT_FORMS = ("word", "listed", "tallied")
+
+
+def spoken_answer(question: Question, count_form: str = COUNT_FORMS[0]) -> str:
+    """The trained answer to `question`: `answer_text`, or a count of pictures in `count_form`."""
+    if count_form not in COUNT_FORMS:
+        raise ValueError(f"count_form must be one of {COUNT_FORMS}, got {count_form!r}")
+    if question.kind == "count_pictures" and count_form != "word":
+        return listed_count(question) if count_form == "listed" else tallied_count(question)
     return answer_text(question.answer)
 
 
@@ -382,7 +401,8 @@ def multi_question(scenes: tuple[Scene, ...], rng: np.random.Generator, kind: st
     if kind == "count_pictures":
         shape = SHAPES[rng.integers(len(SHAPES))]
         counted = tuple(i for i, o in enumerate(objects) if o.shape == shape)
-        return Question(kind, text.format(shape=shape), NUMBERS[len(counted)], counted=counted)
+        return Question(kind, text.format(shape=shape), NUMBERS[len(counted)], counted=counted,
+                        shapes=tuple(o.shape for o in objects))
     raise ValueError(f"unknown question kind {kind!r}; expected one of {MULTI_KINDS}")
 
 

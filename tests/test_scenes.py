@@ -80,16 +80,31 @@ def test_scoring_reads_the_first_word_or_the_needle():
 
 
 def test_a_count_is_read_from_the_last_number_word_of_the_first_sentence():
-    """Counts answered alone or listing the pictures first (`scenes.listed_count`) score alike."""
+    """Counts answered alone, listing the pictures first (`scenes.listed_count`) or going through them
+    with a running count (`scenes.tallied_count`) score alike."""
     assert bench.is_correct("three", "Three.") and bench.is_correct("three", "2,5,7: three.")
     assert bench.is_correct("zero", "None: zero.") and bench.is_correct("one", "4: one. Two more")
     assert not bench.is_correct("three", "2,5,7: two.") and not bench.is_correct("three", "2,5,7,")
     assert not bench.is_correct("two", "Three. Two")
-    q = lambda counted: scenes.Question("count_pictures", "", scenes.NUMBERS[len(counted)], counted=counted)  # noqa: E731
+    shapes = ("circle", "square", "circle", "triangle", "square", "circle", "square")
+    q = lambda counted: scenes.Question("count_pictures", "", scenes.NUMBERS[len(counted)], counted=counted,  # noqa: E731
+                                        shapes=shapes)
     assert [scenes.listed_count(q(c)) for c in ((), (3,), (1, 4, 6))] == ["None: zero.", "4: one.", "2,5,7: three."]
-    assert scenes.spoken_answer(q((1, 4, 6)), listed_counts=True) == "2,5,7: three."
+    assert scenes.spoken_answer(q((1, 4, 6)), "listed") == "2,5,7: three."
+    tallied = "1 circle, 2 square (1), 3 circle, 4 triangle, 5 square (2), 6 circle, 7 square (3): three."
+    assert scenes.spoken_answer(q((1, 4, 6)), "tallied") == tallied and bench.is_correct("three", tallied)
+    assert scenes.tallied_count(q((3,))).endswith("4 triangle (1), 5 square, 6 circle, 7 square: one.")
+    assert not bench.is_correct("two", tallied)
     assert scenes.spoken_answer(q((1, 4, 6))) == "Three." == scenes.spoken_answer(
-        dataclasses.replace(q((1,)), kind="count", answer="three"), listed_counts=True)
+        dataclasses.replace(q((1,)), kind="count", answer="three"), "tallied")
+    with pytest.raises(ValueError, match="count_form must be one of"):
+        scenes.spoken_answer(q(()), "spelled")
+    # the benchmark's own count questions carry every picture's shape, and their counts agree with it
+    for i in range(20):
+        question = bench.task_sample("count_pictures", 8, 0, i).questions[0]
+        asked = question.text.split()[-1].rstrip("?")
+        assert question.counted == tuple(k for k, shape in enumerate(question.shapes) if shape == asked)
+        assert len(question.shapes) == 8 and bench.is_correct(question.answer, scenes.tallied_count(question))
 
 
 def test_every_task_prompt_is_mostly_image_tokens(demo):

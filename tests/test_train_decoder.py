@@ -179,18 +179,24 @@ def test_stage_two_batches_cover_every_picture_kind_and_fit_their_static_shapes(
 
     demo = loading.demo_model(decoder="frozen")
     encoder = Encoder.of(demo)
-    asked, listed = set(), 0
-    for spec in decoder.DEFAULT_BATCHES[1:4] + decoder.with_listed_counts()[1:4]:
+    asked, listed, tallied = set(), 0, 0
+    forms = [decoder.with_count_form(form)[1:4] for form in ("listed", "tallied")]
+    for spec in decoder.DEFAULT_BATCHES[1:4] + forms[0] + forms[1]:
         for i in range(24):
             sample = scenes.multi_picture_sample("train", 0, i, spec.picture_count("train", 0, i), spec.turns,
                                                  spec.kinds, text_fact=spec.text_facts)
-            conversation = multi_picture_conversation(sample, spec.listed_counts)
+            conversation = multi_picture_conversation(sample, spec.count_form)
             ids, role = encoder.conversation(conversation)
             assert len(ids) <= spec.length and sum(1 for r in role if r) <= spec.max_targets
             asked |= {q.kind for q in sample.questions}
-            listed += sum(a[0].isdigit() or a.startswith("None:") for _, a in conversation)
-    assert asked == set(scenes.PICTURE_KINDS) | {"text_fact"} and listed > 0
-    assert decoder.with_listed_counts()[0] == decoder.DEFAULT_BATCHES[0]  # single pictures unchanged
+            listed += spec.count_form == "listed" and sum(a[0].isdigit() or a.startswith("None:") for _, a in conversation)
+            tallied += spec.count_form == "tallied" and sum(a.startswith("1 ") for _, a in conversation)
+    assert asked == set(scenes.PICTURE_KINDS) | {"text_fact"} and listed > 0 and tallied > 0
+    assert decoder.with_count_form("tallied")[0] == decoder.DEFAULT_BATCHES[0]  # single pictures unchanged
+    with pytest.raises(ValueError, match="count form must be one of"):
+        decoder.with_count_form("spelled")
+    with pytest.raises(ValueError, match="count_form must be one of"):
+        BatchSpec(batch_size=1, pictures=2, turns=1, length=8, max_targets=2, count_form="spelled")
     with pytest.raises(ValueError, match="unknown question kinds"):
         BatchSpec(batch_size=1, pictures=2, turns=1, length=8, max_targets=2, kinds=("colour_of_sky",))
 
@@ -271,7 +277,7 @@ def _mostly(picture: np.ndarray, colour: tuple[int, int, int], patch: int) -> np
 def test_answer_reads_name_the_patches_of_what_each_answer_is_about():
     """Read off the rendered pictures: a single-picture answer reads patches of the named object's colour
     (a count: of every object's), a multi-picture answer the object's patches of the picture it names or
-    reveals, a count of pictures the counted pictures, a text fact nothing."""
+    reveals, a count of pictures the counted pictures (a tallied one nothing), a text fact nothing."""
     from lookm_jax import scenes
     from lookm_jax.train.data import answer_reads
 
@@ -297,6 +303,9 @@ def test_answer_reads_name_the_patches_of_what_each_answer_is_about():
                 assert mine.size and set(mine) <= set(np.flatnonzero(
                     _mostly(np.asarray(scenes.render(sample.scenes[k], size)), scenes.COLOURS[o.colour], patch)))
             checked.add(q.kind)
+        tallied = answer_reads(sample.questions, sample.scenes, size, tokens, "tallied")
+        for q, read, word in zip(sample.questions, tallied, reads):  # a tallied count's first token reads nothing
+            assert read.size == 0 if q.kind == "count_pictures" else np.array_equal(read, word), (i, q)
     assert checked == set(scenes.KINDS) | set(scenes.PICTURE_KINDS) | {"text_fact"}
     with pytest.raises(ValueError, match="not a patch grid"):
         answer_reads(sample.questions, sample.scenes, size, 60)
@@ -413,7 +422,8 @@ def test_decoder_command_read_flags_reach_the_config_and_bad_ones_are_refused(tm
     assert config().subspace_dims == 0 and config("--subspace-dims", "64").subspace_dims == 64
     assert config().replay_generated == 0 and config("--replay-generated", "1500").replay_generated == 1500
     assert config().batches == decoder.DEFAULT_BATCHES
-    assert config("--listed-counts").batches == decoder.with_listed_counts()
+    assert config("--count-answers", "listed").batches == decoder.with_count_form("listed")
+    assert config("--count-answers", "tallied").batches == decoder.with_count_form("tallied")
     out = tmp_path / "run"
     for flag, value, message in (("--read-weight", "0.2", "--read-weight > 0 needs --read-layers (e.g. 19-26)"),
                                  ("--read-weight", "-1", "--read-weight must be >= 0, got -1.0"),

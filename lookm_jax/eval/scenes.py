@@ -325,8 +325,10 @@ def add_parser(subparsers) -> None:
                         "the training never showed (the green triangle, in about half the samples of 8 pictures; "
                         "the needle's samples are the same either way)")
     p.add_argument("--batch-size", type=int, default=4, help="samples prefilled together")
-    p.add_argument("--max-new-tokens", type=int, default=24,
-                   help="greedy tokens per answer (the needle's sentence takes ~12, a listed count of 8 pictures up to 18)")
+    p.add_argument("--max-new-tokens", type=int,
+                   help="greedy tokens per answer (default: 8 per picture of the most --pictures + 8, at least 24: room "
+                        "for a count answered picture by picture, `scenes.tallied_count`; the needle's sentence takes "
+                        "~12; answers end at their end-of-turn token)")
     p.add_argument("--max-decode-rows", type=int, default=16, help="rows per shared decode call")
     p.add_argument("--jsonl", type=path_arg, help="per-sample rows, appended and resumed (default: results/scenes/MODE.jsonl)")
     p.add_argument("--output", type=path_arg, help="summary CSV in the `lookm plot sweep` format (default: docs/scenes_MODE.csv, "
@@ -350,6 +352,8 @@ def cmd_scenes(args) -> int:
     asked = ASKED[1] if args.ask_after_compression else ASKED[0]
     jsonl = args.jsonl or os.path.join("results", "scenes", f"{args.mode}.jsonl")
     output = args.output or os.path.join("docs", f"scenes_{args.mode}{'_after' if asked == ASKED[1] else ''}.csv")
+    if args.max_new_tokens is None:
+        args.max_new_tokens = max(24, 8 * max(args.pictures) + 8)
     if args.samples < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise ValueError(f"need --samples, --batch-size and --max-new-tokens >= 1, got {args.samples}, "
                          f"{args.batch_size}, {args.max_new_tokens}")

@@ -129,21 +129,22 @@ def single_picture_conversation(sample: scenes.SingleSample) -> list[tuple[str, 
     return turns
 
 
-def multi_picture_conversation(sample: scenes.MultiSample, listed_counts: bool = False) -> list[tuple[str, str]]:
+def multi_picture_conversation(sample: scenes.MultiSample, count_form: str = scenes.COUNT_FORMS[0]) -> list[tuple[str, str]]:
     """The pictures and the first question in one user turn (`MultiSample.prompt`), each answer as
     `scenes.spoken_answer` says it."""
-    turns = [(q.text, scenes.spoken_answer(q, listed_counts)) for q in sample.questions]
+    turns = [(q.text, scenes.spoken_answer(q, count_form)) for q in sample.questions]
     turns[0] = (sample.prompt(sample.questions[0]), turns[0][1])
     return turns
 
 
 def answer_reads(questions: Sequence[scenes.Question], pictures: Sequence[scenes.Scene], image_size: int,
-                 tokens_per_picture: int) -> list[np.ndarray]:
+                 tokens_per_picture: int, count_form: str = scenes.COUNT_FORMS[0]) -> list[np.ndarray]:
     """Per question, the image tokens (indices among the conversation's image tokens, one per patch,
-    picture after picture) of the objects its answer reads, a patch counting when the object shows on
-    `READ_COVERAGE` of it or more: a single picture's named object, or all of its objects for a count; a
-    multi-picture question's named or revealed picture's object, or the counted pictures' objects;
-    nothing for a text fact."""
+    picture after picture) of the objects its answer's first token reads, a patch counting when the object
+    shows on `READ_COVERAGE` of it or more: a single picture's named object, or all of its objects for a
+    count; a multi-picture question's named or revealed picture's object, or the counted pictures' objects
+    (nothing for a tallied count, whose first token is "1": it reads one picture a step); nothing for a
+    text fact."""
     grid = int(round(tokens_per_picture ** 0.5))
     if grid * grid != tokens_per_picture or image_size % grid:
         raise ValueError(f"{tokens_per_picture} image tokens a picture are not a patch grid of a {image_size}-pixel picture")
@@ -157,6 +158,8 @@ def answer_reads(questions: Sequence[scenes.Question], pictures: Sequence[scenes
     for q in questions:
         if single:
             reads.append(np.flatnonzero(shown[0].any(0) if q.kind == "count" else shown[0][q.subject]))
+        elif q.kind == "count_pictures" and count_form == "tallied":
+            reads.append(np.zeros(0, int))
         elif q.kind == "count_pictures":
             reads.append(np.concatenate([picture_objects(k) for k in q.counted] or [np.zeros(0, int)]))
         elif q.subject is not None:
@@ -179,11 +182,13 @@ class BatchSpec:
     min_pictures: int | None = None
     text_facts: bool = False  # multi-picture samples: one turn asks about a sentence (`scenes.FACT_SENTENCE`)
     kinds: tuple[str, ...] = scenes.MULTI_KINDS  # multi-picture question kinds (`scenes.MULTI_TEMPLATES`)
-    listed_counts: bool = False  # counts of pictures answered listing the pictures first (`scenes.listed_count`)
+    count_form: str = scenes.COUNT_FORMS[0]  # how a count of pictures is answered (`scenes.spoken_answer`)
 
     def __post_init__(self):
         if self.min_pictures is not None and not 1 <= self.min_pictures <= self.pictures:
             raise ValueError(f"min_pictures must be in [1, pictures={self.pictures}], got {self.min_pictures}")
+        if self.count_form not in scenes.COUNT_FORMS:
+            raise ValueError(f"count_form must be one of {scenes.COUNT_FORMS}, got {self.count_form!r}")
         unknown = set(self.kinds) - set(scenes.PICTURE_KINDS)
         if unknown:
             raise ValueError(f"unknown question kinds {sorted(unknown)}; expected some of {scenes.PICTURE_KINDS}")
@@ -205,10 +210,11 @@ class BatchSpec:
         else:
             samples = [scenes.multi_picture_sample(split, seed, i, self.picture_count(split, seed, i), self.turns,
                                                    self.kinds, text_fact=self.text_facts) for i in indices]
-            conversations = [multi_picture_conversation(s, self.listed_counts) for s in samples]
+            conversations = [multi_picture_conversation(s, self.count_form) for s in samples]
             shown = [s.scenes for s in samples]
         pictures = [scenes.render(scene, image_size) for row in shown for scene in row]
         # Features fill the placeholders in order (`llava.embed`), so trailing pictures are unused.
         pictures += [Image.new("RGB", (image_size, image_size))] * (self.batch_size * self.pictures - len(pictures))
-        reads = [answer_reads(s.questions, row, image_size, encoder.image_seq_length) for s, row in zip(samples, shown)]
+        reads = [answer_reads(s.questions, row, image_size, encoder.image_seq_length, self.count_form)
+                 for s, row in zip(samples, shown)]
         return encoder.batch(conversations, pictures, self.length, self.max_targets, reads)

@@ -89,17 +89,27 @@ def weighted_batches(weights: dict[str, int], batches: tuple[BatchSpec, ...] = D
         spec, kinds=tuple(k for k in spec.kinds for _ in range(weights.get(k, 1)))) for spec in batches)
 
 
-# Answer tokens with listed counts, measured over 300 training samples each: at most 27 / 43 / 68 for
-# 1-4 / 5-8 / 9-16 pictures (the default batches' turns); the static targets keep the same margin.
-LISTED_MAX_TARGETS = {4: 32, 8: 56, 16: 88}
+# Static (length, answer tokens) of the default multi-picture batches when counts are answered in
+# another form, measured like DEFAULT_BATCHES' over 300 training samples each: listed at most 418 / 754 /
+# 1385 tokens and 27 / 43 / 68 answer tokens for 1-4 / 5-8 / 9-16 pictures, tallied 432 / 785 / 1517
+# and 42 / 79 / 200; the static shapes keep a margin.
+COUNT_FORM_SHAPES = {"listed": {4: (448, 32), 8: (768, 56), 16: (1408, 88)},
+                     "tallied": {4: (448, 48), 8: (800, 88), 16: (1536, 216)}}
 
 
-def with_listed_counts(batches: tuple[BatchSpec, ...] = DEFAULT_BATCHES) -> tuple[BatchSpec, ...]:
-    """`batches` whose multi-picture samples answer a count of pictures listing them first ("2,5,7:
-    three.", `scenes.listed_count`), with room for the longer answers. Single-picture specs are unchanged."""
-    return tuple(spec if spec.pictures == 1 else dataclasses.replace(
-        spec, listed_counts=True, max_targets=max(spec.max_targets, LISTED_MAX_TARGETS.get(spec.pictures, 0)))
-        for spec in batches)
+def with_count_form(form: str, batches: tuple[BatchSpec, ...] = DEFAULT_BATCHES) -> tuple[BatchSpec, ...]:
+    """`batches` whose multi-picture samples answer a count of pictures in `form` (`scenes.COUNT_FORMS`,
+    e.g. "1 square (1), 2 circle: one." tallied), with room for the longer answers. Single-picture
+    specs are unchanged."""
+    if form not in scenes.COUNT_FORMS:
+        raise ValueError(f"count form must be one of {scenes.COUNT_FORMS}, got {form!r}")
+    shapes = COUNT_FORM_SHAPES.get(form, {})
+
+    def widened(spec: BatchSpec) -> BatchSpec:
+        length, targets = shapes.get(spec.pictures, (0, 0))
+        return dataclasses.replace(spec, count_form=form, length=max(spec.length, length),
+                                   max_targets=max(spec.max_targets, targets))
+    return tuple(spec if spec.pictures == 1 else widened(spec) for spec in batches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,7 +405,8 @@ def make_step(cfg, tx: optax.GradientTransformation, config: DecoderConfig) -> C
 class HeldOut:
     """Teacher-forced first-answer-token accuracy on fixed held-out batches: single pictures, the
     held-out colour-shape combination, 8 pictures (every one-word kind of `scenes.PICTURE_KINDS`:
-    "describe" starts with "A"; counts listed first if the run trains them so), and the held-out
+    "describe" starts with "A"; counts answered in the form the run trains, whose first token a tallied
+    count always gets right: "1"), and the held-out
     replay prompts' continuations (every token)."""
 
     def __init__(self, encoder: Encoder, config: DecoderConfig, image_size: int, held_out_bank: replay.Bank,
@@ -403,8 +414,10 @@ class HeldOut:
         count = -(-config.eval_samples // batch_size)
         single = single_picture_spec(batch_size, turns=1)
         one_word = tuple(k for k in scenes.PICTURE_KINDS if k != "describe")
-        eight = _pictures(batch_size // 2, 8, 8, turns=1, length=704, max_targets=16, text_facts=False, kinds=one_word)
-        eight = dataclasses.replace(eight, listed_counts=any(spec.listed_counts for spec in config.batches))
+        # 8 pictures, one turn: at most 644 tokens and 46 answer tokens (a tallied count) over 300 samples
+        eight = _pictures(batch_size // 2, 8, 8, turns=1, length=704, max_targets=48, text_facts=False, kinds=one_word)
+        forms = [spec.count_form for spec in config.batches if spec.pictures > 1]
+        eight = dataclasses.replace(eight, count_form=forms[0] if forms else scenes.COUNT_FORMS[0])
         self.batches = {split: [arrays_of(single.make(encoder, split, config.seed, i * batch_size, image_size))
                                 for i in range(count)] for split in ("heldout", "combination")}
         self.batches["eight_pictures"] = [arrays_of(eight.make(encoder, "heldout", config.seed, i * eight.batch_size,

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 
+from lookm_jax import scenes
 from lookm_jax.checks import check_output_folder
 from lookm_jax.cli_args import finite_float, int_at_least, path_arg, positive_float, seed_arg
 
@@ -70,9 +71,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--kind-weight", type=kind_weight, action="append", default=[], metavar="KIND=N",
                    help="draw multi-picture question KIND N times as often as the others (repeatable; kinds: "
                         "picture_colour picture_shape which_picture count_pictures picture_position describe)")
-    p.add_argument("--listed-counts", action="store_true",
-                   help="answer 'how many pictures show a SHAPE' listing the pictures first ('2,5,7: three.'), so the "
-                        "count is of what the answer has just written (default: the count alone)")
+    p.add_argument("--count-answers", choices=scenes.COUNT_FORMS, default=scenes.COUNT_FORMS[0],
+                   help="how 'how many pictures show a SHAPE' is answered: word, the count alone ('Three.'); listed, "
+                        "the pictures first ('2,5,7: three.'); tallied, every picture's shape in turn with a running "
+                        "count ('1 square (1), 2 circle, 3 square (2): two.')")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the data streams and the adapters' init")
     p.add_argument("--stop-after", type=int_at_least(0),
                    help="end this call after N steps, resumable; 0 exports OUTPUT's checkpoint (default: run to --steps)")
@@ -93,8 +95,8 @@ def decoder_config(args):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     batches = decoder.weighted_batches(dict(args.kind_weight))
-    if args.listed_counts:
-        batches = decoder.with_listed_counts(batches)
+    if args.count_answers != scenes.COUNT_FORMS[0]:
+        batches = decoder.with_count_form(args.count_answers, batches)
     return decoder.DecoderConfig(
         steps=args.steps, rank=args.rank, scale=args.scale, learning_rate=args.learning_rate,
         projector_learning_rate=args.projector_learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
