@@ -91,6 +91,9 @@ def tallied_count(question: Question) -> str:
     after each one that shows the asked shape, then the count: "1 square (1), 2 circle, 3 square (2): two."
     Each step reads one named picture (what a model answers best) instead of searching all of them at
     once; the count is the last tally written."""
+    if not question.shapes or any(k >= len(question.shapes) for k in question.counted):
+        raise ValueError(f"a tallied count needs every picture's shape, got shapes {question.shapes} for the counted "
+                         f"pictures {question.counted}")
     steps = []
     for k, shape in enumerate(question.shapes):
         tally = question.counted.index(k) + 1 if k in question.counted else 0

@@ -99,6 +99,8 @@ def test_a_count_is_read_from_the_last_number_word_of_the_first_sentence():
         dataclasses.replace(q((1,)), kind="count", answer="three"), "tallied")
     with pytest.raises(ValueError, match="count_form must be one of"):
         scenes.spoken_answer(q(()), "spelled")
+    with pytest.raises(ValueError, match="needs every picture's shape"):
+        scenes.tallied_count(dataclasses.replace(q((1,)), shapes=()))
     # the benchmark's own count questions carry every picture's shape, and their counts agree with it
     for i in range(20):
         question = bench.task_sample("count_pictures", 8, 0, i).questions[0]
@@ -169,6 +171,20 @@ def test_a_question_asked_after_compression_is_cut_from_the_whole_chat(demo):
             np.testing.assert_array_equal(np.concatenate([head, tail]), whole)
             assert p.after in demo.decode_text(tail)
             assert (head == demo.config.image_token_id).sum() == pictures * 64
+
+
+def test_answers_cut_at_max_new_tokens_are_reported(demo, tmp_path):
+    """An answer that has not ended when max_new_tokens runs out is scored as cut, and the run says so."""
+    logged = []
+    prompts = bench.task_prompts(demo, "which_picture", 3, 2, seed=0)
+    harness.run_prompts(demo, [harness.SweepConfig("full", 1.0)], [prompts], str(tmp_path / "rows.jsonl"),
+                        bench.KEY_FIELDS, bench.is_correct, schema=bench.ROW_SCHEMA, max_new_tokens=1,
+                        log=logged.append)
+    assert "warning: 2 answers were cut at max_new_tokens=1" in logged[-1], logged
+    harness.run_prompts(demo, [harness.SweepConfig("full", 1.0)], [prompts], str(tmp_path / "more.jsonl"),
+                        bench.KEY_FIELDS, bench.is_correct, schema=bench.ROW_SCHEMA, max_new_tokens=12,
+                        log=logged.append)
+    assert "warning" not in logged[-1], logged  # "Picture 3." ends well within 12 tokens
 
 
 @pytest.mark.slow

@@ -195,6 +195,8 @@ def test_stage_two_batches_cover_every_picture_kind_and_fit_their_static_shapes(
     assert decoder.with_count_form("tallied")[0] == decoder.DEFAULT_BATCHES[0]  # single pictures unchanged
     with pytest.raises(ValueError, match="count form must be one of"):
         decoder.with_count_form("spelled")
+    with pytest.raises(ValueError, match="not with a count_pictures kind weight"):
+        decoder.with_count_form("tallied", decoder.weighted_batches({"count_pictures": 2}))
     with pytest.raises(ValueError, match="count_form must be one of"):
         BatchSpec(batch_size=1, pictures=2, turns=1, length=8, max_targets=2, count_form="spelled")
     with pytest.raises(ValueError, match="unknown question kinds"):

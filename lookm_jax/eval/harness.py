@@ -207,7 +207,8 @@ def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Pr
     done = {row_key(r, key_fields, key_defaults) for r in read_rows(jsonl_path, schema)}
     os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
     jsonl.drop_cut_line(jsonl_path)
-    start, ran = time.perf_counter(), 0
+    start, ran, unfinished = time.perf_counter(), 0, 0
+    eos = model.text_config.eos_token_ids
     for b, batch in enumerate(batches):
         keys = [tuple(p.key[f] for f in key_fields) for p in batch]
         todo = {(c.label, c.budget, k) for c in configs for k in keys if k + (c.label, c.budget) not in done}
@@ -222,6 +223,7 @@ def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Pr
         outputs = sweep.generate_methods(model, ids, pixels, mask, max_new_tokens, methods=methods,
                                          max_decode_rows=max_decode_rows, after=after)
         reference = outputs[0]
+        unfinished += sum(not np.isin(row, eos).any() for tokens in outputs for row in tokens)
         lines = []
         for config, tokens in zip(configs, outputs):
             for r, (prompt, key) in enumerate(zip(batch, keys)):
@@ -241,6 +243,9 @@ def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Pr
         setting = ", ".join(f"{f} {batch[0].key[f]}" for f in key_fields if f != "sample")
         log(f"[{b + 1}/{len(batches)}] {setting} samples {batch[0].key['sample']}-{batch[-1].key['sample']}: "
             f"{elapsed:.0f} s elapsed, ETA {elapsed / ran * (len(batches) - b - 1):.0f} s")
+    if unfinished and eos:
+        log(f"warning: {unfinished} answers were cut at max_new_tokens={max_new_tokens} before their end-of-turn "
+            "token (scored as cut); give a larger --max-new-tokens if the answers are meant to be longer")
 
 
 def unique_rows(rows: list[dict], key_fields: Sequence[str], configs: list[SweepConfig],

@@ -60,7 +60,8 @@ def described(answer: str, output: str) -> bool:
 
 def counted(answer: str, output: str) -> bool:
     """A count ("three") is right when it is the last number word of the output's first sentence, so
-    that an answer may list what it counts first ("2,5,7: three.", `scenes.listed_count`)."""
+    that an answer may list what it counts first ("2,5,7: three.", `scenes.listed_count`) or go through
+    the pictures ("1 square (1), 2 circle: one.", `scenes.tallied_count`)."""
     numbers = [w for w in re.findall(r"[a-z]+", output.lower().split(".")[0]) if w in scenes.NUMBERS]
     return bool(numbers) and numbers[-1] == answer
 
@@ -326,9 +327,9 @@ def add_parser(subparsers) -> None:
                         "the needle's samples are the same either way)")
     p.add_argument("--batch-size", type=int, default=4, help="samples prefilled together")
     p.add_argument("--max-new-tokens", type=int,
-                   help="greedy tokens per answer (default: 8 per picture of the most --pictures + 8, at least 24: room "
-                        "for a count answered picture by picture, `scenes.tallied_count`; the needle's sentence takes "
-                        "~12; answers end at their end-of-turn token)")
+                   help="greedy tokens per answer; fidelity compares all of them, the filler after an answer's end "
+                        "included (default: sweep 24, the needle's sentence takes ~12; calibrate 8 per picture of the "
+                        "most --pictures + 8, room for a count answered picture by picture, `scenes.tallied_count`)")
     p.add_argument("--max-decode-rows", type=int, default=16, help="rows per shared decode call")
     p.add_argument("--jsonl", type=path_arg, help="per-sample rows, appended and resumed (default: results/scenes/MODE.jsonl)")
     p.add_argument("--output", type=path_arg, help="summary CSV in the `lookm plot sweep` format (default: docs/scenes_MODE.csv, "
@@ -351,9 +352,10 @@ def cmd_scenes(args) -> int:
 
     asked = ASKED[1] if args.ask_after_compression else ASKED[0]
     jsonl = args.jsonl or os.path.join("results", "scenes", f"{args.mode}.jsonl")
-    output = args.output or os.path.join("docs", f"scenes_{args.mode}{'_after' if asked == ASKED[1] else ''}.csv")
-    if args.max_new_tokens is None:
-        args.max_new_tokens = max(24, 8 * max(args.pictures) + 8)
+    suffix = ("_after" if asked == ASKED[1] else "") + ("_trained" if args.pairs == "trained" else "")
+    output = args.output or os.path.join("docs", f"scenes_{args.mode}{suffix}.csv")
+    if args.max_new_tokens is None:  # a sweep's fidelity depends on it: kept where its recorded runs had it
+        args.max_new_tokens = 24 if args.mode == "sweep" else max(24, 8 * max(args.pictures) + 8)
     if args.samples < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise ValueError(f"need --samples, --batch-size and --max-new-tokens >= 1, got {args.samples}, "
                          f"{args.batch_size}, {args.max_new_tokens}")
@@ -374,6 +376,10 @@ def cmd_scenes(args) -> int:
                            args.seed, asked, args.pairs)
         if not rows:
             raise ValueError(f"{jsonl} holds no rows for these settings")
+        asked_for = len(configs) * len(args.pictures) * len(args.tasks) * args.samples
+        if len(rows) < asked_for:
+            print(f"{jsonl} holds {len(rows)} of the {asked_for} rows these settings ask for: summarising those",
+                  flush=True)
     else:
         model = lookm_jax.load(args.model) if args.model else lookm_jax.load_default()
         harness.check_multimodal(model, "the scenes benchmark")

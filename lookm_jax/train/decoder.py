@@ -103,6 +103,9 @@ def with_count_form(form: str, batches: tuple[BatchSpec, ...] = DEFAULT_BATCHES)
     specs are unchanged."""
     if form not in scenes.COUNT_FORMS:
         raise ValueError(f"count form must be one of {scenes.COUNT_FORMS}, got {form!r}")
+    if form != scenes.COUNT_FORMS[0] and any(spec.kinds.count("count_pictures") > 1 for spec in batches):
+        raise ValueError(f"counts answered {form} take static shapes measured with counts drawn as often as every other "
+                         "kind: not with a count_pictures kind weight")
     shapes = COUNT_FORM_SHAPES.get(form, {})
 
     def widened(spec: BatchSpec) -> BatchSpec:
@@ -405,19 +408,20 @@ def make_step(cfg, tx: optax.GradientTransformation, config: DecoderConfig) -> C
 class HeldOut:
     """Teacher-forced first-answer-token accuracy on fixed held-out batches: single pictures, the
     held-out colour-shape combination, 8 pictures (every one-word kind of `scenes.PICTURE_KINDS`:
-    "describe" starts with "A"; counts answered in the form the run trains, whose first token a tallied
-    count always gets right: "1"), and the held-out
+    "describe" starts with "A"; counts answered in the form the run trains, except tallied ones, whose
+    first token is always "1"), and the held-out
     replay prompts' continuations (every token)."""
 
     def __init__(self, encoder: Encoder, config: DecoderConfig, image_size: int, held_out_bank: replay.Bank,
                  batch_size: int = 8):
         count = -(-config.eval_samples // batch_size)
         single = single_picture_spec(batch_size, turns=1)
-        one_word = tuple(k for k in scenes.PICTURE_KINDS if k != "describe")
-        # 8 pictures, one turn: at most 644 tokens and 46 answer tokens (a tallied count) over 300 samples
-        eight = _pictures(batch_size // 2, 8, 8, turns=1, length=704, max_targets=48, text_facts=False, kinds=one_word)
         forms = [spec.count_form for spec in config.batches if spec.pictures > 1]
-        eight = dataclasses.replace(eight, count_form=forms[0] if forms else scenes.COUNT_FORMS[0])
+        form = forms[0] if forms else scenes.COUNT_FORMS[0]
+        one_word = tuple(k for k in scenes.PICTURE_KINDS if k != "describe" and (k, form) != ("count_pictures", "tallied"))
+        # 8 pictures, one turn: at most 613 tokens and 15 answer tokens (a listed count) over 300 samples
+        eight = dataclasses.replace(_pictures(batch_size // 2, 8, 8, turns=1, length=704, max_targets=16,
+                                              text_facts=False, kinds=one_word), count_form=form)
         self.batches = {split: [arrays_of(single.make(encoder, split, config.seed, i * batch_size, image_size))
                                 for i in range(count)] for split in ("heldout", "combination")}
         self.batches["eight_pictures"] = [arrays_of(eight.make(encoder, "heldout", config.seed, i * eight.batch_size,
