@@ -87,17 +87,18 @@ def listed_count(question: Question) -> str:
 
 
 def tallied_count(question: Question) -> str:
-    """A count of pictures answered going through them in order: each picture's shape, the running count
-    after each one that shows the asked shape, then the count: "1 square (1), 2 circle, 3 square (2): two."
-    Each step reads one named picture (what a model answers best) instead of searching all of them at
-    once; the count is the last tally written."""
+    """A count of pictures answered going through them in order: each picture's shape and the running count
+    after it, in words, then the count: "1 circle (zero), 2 square (one), 3 square (two): two."
+    Each step reads one named picture (what a model answers best) and either copies the tally just
+    written or steps it by one, instead of searching all the pictures at once; the count copies the
+    last tally."""
     if not question.shapes or any(k >= len(question.shapes) for k in question.counted):
         raise ValueError(f"a tallied count needs every picture's shape, got shapes {question.shapes} for the counted "
                          f"pictures {question.counted}")
-    steps = []
+    tally, steps = 0, []
     for k, shape in enumerate(question.shapes):
-        tally = question.counted.index(k) + 1 if k in question.counted else 0
-        steps.append(f"{k + 1} {shape} ({tally})" if tally else f"{k + 1} {shape}")
+        tally += k in question.counted
+        steps.append(f"{k + 1} {shape} ({NUMBERS[tally]})")
     return f"{', '.join(steps)}: {question.answer}."
 
 

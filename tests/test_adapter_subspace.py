@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from lookm_jax.models import llama
@@ -114,10 +115,18 @@ def test_subspace_dims_are_checked_and_a_file_made_for_other_settings_is_made_ag
     with pytest.raises(ValueError, match=r"subspace_dims must be in 0\.\.48 \(the narrowest adapted input\), got 49"):
         _train(tiny, _config(3, subspace_dims=49), tmp_path / "wide")
     assert not (tmp_path / "wide" / decoder.SUBSPACE_FILE).exists()
-    _train(tiny, _config(3, subspace_dims=3), tmp_path / "stale", stop_after=1)  # no checkpoint yet: settings free
-    os.remove(tmp_path / "stale" / decoder.LOG)
-    for name in os.listdir(tmp_path / "stale"):
-        if name.startswith("checkpoint"):
-            os.remove(tmp_path / "stale" / name)
-    _train(tiny, _config(3, subspace_dims=5), tmp_path / "stale")
-    chex.assert_shape(load_file(str(tmp_path / "stale" / decoder.SUBSPACE_FILE))["layers.0.wo"], (48, 5))
+    stale = tmp_path / "stale"
+
+    def restart(config):  # no checkpoint yet: settings free
+        for name in os.listdir(stale):
+            if name.startswith("checkpoint") or name == decoder.LOG:
+                os.remove(stale / name)
+        _train(tiny, config, stale, stop_after=1)
+        with safe_open(str(stale / decoder.SUBSPACE_FILE), "np") as made:
+            return made.metadata(), made.get_tensor("layers.0.wo").shape
+
+    _train(tiny, _config(3, subspace_dims=3), stale, stop_after=1)
+    assert restart(_config(3, subspace_dims=5))[1] == (48, 5)
+    tallied = decoder.with_count_form("tallied")  # other batches (their answers) alone: made again
+    metadata, shape = restart(_config(3, subspace_dims=5, batches=tallied))
+    assert metadata["batches"] == repr(tallied) and shape == (48, 5)

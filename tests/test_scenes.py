@@ -91,10 +91,13 @@ def test_a_count_is_read_from_the_last_number_word_of_the_first_sentence():
                                         shapes=shapes)
     assert [scenes.listed_count(q(c)) for c in ((), (3,), (1, 4, 6))] == ["None: zero.", "4: one.", "2,5,7: three."]
     assert scenes.spoken_answer(q((1, 4, 6)), "listed") == "2,5,7: three."
-    tallied = "1 circle, 2 square (1), 3 circle, 4 triangle, 5 square (2), 6 circle, 7 square (3): three."
+    tallied = ("1 circle (zero), 2 square (one), 3 circle (one), 4 triangle (one), 5 square (two), 6 circle (two), "
+               "7 square (three): three.")
     assert scenes.spoken_answer(q((1, 4, 6)), "tallied") == tallied and bench.is_correct("three", tallied)
-    assert scenes.tallied_count(q((3,))).endswith("4 triangle (1), 5 square, 6 circle, 7 square: one.")
+    assert scenes.tallied_count(q((3,))).endswith("4 triangle (one), 5 square (one), 6 circle (one), 7 square (one): one.")
     assert not bench.is_correct("two", tallied)
+    assert not bench.is_correct("one", "1 circle (zero), 2 square (one)") and not bench.is_correct("one", "2 square (one")
+    assert bench.is_correct("zero", scenes.tallied_count(q(())))
     assert scenes.spoken_answer(q((1, 4, 6))) == "Three." == scenes.spoken_answer(
         dataclasses.replace(q((1,)), kind="count", answer="three"), "tallied")
     with pytest.raises(ValueError, match="count_form must be one of"):

@@ -59,10 +59,12 @@ def described(answer: str, output: str) -> bool:
 
 
 def counted(answer: str, output: str) -> bool:
-    """A count ("three") is right when it is the last number word of the output's first sentence, so
-    that an answer may list what it counts first ("2,5,7: three.", `scenes.listed_count`) or go through
-    the pictures ("1 square (1), 2 circle: one.", `scenes.tallied_count`)."""
-    numbers = [w for w in re.findall(r"[a-z]+", output.lower().split(".")[0]) if w in scenes.NUMBERS]
+    """A count ("three") is right when it is the last number word of the output's first sentence outside
+    parentheses, so that an answer may list what it counts first ("2,5,7: three.", `scenes.listed_count`)
+    or go through the pictures with a running tally ("1 circle (zero), 2 square (one): one.",
+    `scenes.tallied_count`); a tally cut before its count is no answer."""
+    sentence = re.sub(r"\([^)]*\)?", "", output.lower().split(".")[0])
+    numbers = [w for w in re.findall(r"[a-z]+", sentence) if w in scenes.NUMBERS]
     return bool(numbers) and numbers[-1] == answer
 
 

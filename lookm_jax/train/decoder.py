@@ -90,16 +90,16 @@ def weighted_batches(weights: dict[str, int], batches: tuple[BatchSpec, ...] = D
 
 
 # Static (length, answer tokens) of the default multi-picture batches when counts are answered in
-# another form, measured like DEFAULT_BATCHES' over 300 training samples each: listed at most 418 / 754 /
-# 1385 tokens and 27 / 43 / 68 answer tokens for 1-4 / 5-8 / 9-16 pictures, tallied 432 / 785 / 1517
-# and 42 / 79 / 200; the static shapes keep a margin.
+# another form, measured like DEFAULT_BATCHES' (listed over 300 training samples each, tallied over 1000 of
+# seeds 0 and 4): listed at most 418 / 754 / 1385 tokens and 27 / 43 / 68 answer tokens for 1-4 / 5-8 /
+# 9-16 pictures, tallied 439 / 790 / 1560 and 88 / 188 / 474; the static shapes keep a margin.
 COUNT_FORM_SHAPES = {"listed": {4: (448, 32), 8: (768, 56), 16: (1408, 88)},
-                     "tallied": {4: (448, 48), 8: (800, 88), 16: (1536, 216)}}
+                     "tallied": {4: (448, 96), 8: (816, 208), 16: (1600, 512)}}
 
 
 def with_count_form(form: str, batches: tuple[BatchSpec, ...] = DEFAULT_BATCHES) -> tuple[BatchSpec, ...]:
     """`batches` whose multi-picture samples answer a count of pictures in `form` (`scenes.COUNT_FORMS`,
-    e.g. "1 square (1), 2 circle: one." tallied), with room for the longer answers. Single-picture
+    e.g. "1 square (one), 2 circle (one): one." tallied), with room for the longer answers. Single-picture
     specs are unchanged."""
     if form not in scenes.COUNT_FORMS:
         raise ValueError(f"count form must be one of {scenes.COUNT_FORMS}, got {form!r}")
@@ -228,7 +228,7 @@ def adapter_subspace(model, config: DecoderConfig, initial: dict, output: str, b
     steps' batches, through the model the run starts from: `initial`'s adapters, unrestricted, and
     projector) against the train replay bank's prompts and continuations (through the frozen decoder).
     Made once into SUBSPACE_FILE in `output` and read back on resume; made again if it was made for
-    other settings (dims, init, seed, the replay bank's size)."""
+    other settings (dims, init, seed, batches, the replay bank's size)."""
     from safetensors import safe_open
     from safetensors.numpy import save
     from tqdm import tqdm
@@ -236,7 +236,7 @@ def adapter_subspace(model, config: DecoderConfig, initial: dict, output: str, b
     path = os.path.join(output, SUBSPACE_FILE)
     text = model.params["text"]
     made_for = {"subspace_dims": str(config.subspace_dims), "init": str(config.init), "seed": str(config.seed),
-                "replay_prompts": str(len(bank.prompts))}
+                "batches": repr(config.batches), "replay_prompts": str(len(bank.prompts))}
     if os.path.exists(path):
         with safe_open(path, "np") as saved:
             if saved.metadata() == made_for:

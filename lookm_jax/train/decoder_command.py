@@ -74,7 +74,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--count-answers", choices=scenes.COUNT_FORMS, default=scenes.COUNT_FORMS[0],
                    help="how 'how many pictures show a SHAPE' is answered: word, the count alone ('Three.'); listed, "
                         "the pictures first ('2,5,7: three.'); tallied, every picture's shape in turn with a running "
-                        "count ('1 square (1), 2 circle, 3 square (2): two.')")
+                        "count in words ('1 square (one), 2 circle (one), 3 square (two): two.')")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the data streams and the adapters' init")
     p.add_argument("--stop-after", type=int_at_least(0),
                    help="end this call after N steps, resumable; 0 exports OUTPUT's checkpoint (default: run to --steps)")
