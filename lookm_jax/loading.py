@@ -45,7 +45,7 @@ DEMO_VISION = {"model_type": "clip_vision_model", "hidden_size": 192, "intermedi
 DEMO_IMAGE_PROCESSOR = {"size": {"shortest_edge": 112}, "crop_size": {"height": 112, "width": 112}}
 DEMO_VISION_WEIGHTS = os.path.join(os.path.dirname(__file__), "assets", "demo_vision.safetensors")
 DEMO_VISION_NOTE = ("the vision tower and projector come from short training runs here (3000 tower-only steps, 600 "
-                    "through the frozen decoder, then the projector 1200 more with the decoder's stage-2 adapters) on "
+                    "through the frozen decoder, then the projector 1500 more with the decoder's stage-2 adapters) on "
                     "procedural scenes of coloured shapes (lookm_jax.scenes): 88% of held-out single-picture questions "
                     "right against ~35% by chance, so they see such shapes but not reliably")
 DEMO_ADAPTERS_WEIGHTS = os.path.join(os.path.dirname(__file__), "assets", "demo_adapters.safetensors")
@@ -54,11 +54,11 @@ DEMO_ADAPTERS_WEIGHTS = os.path.join(os.path.dirname(__file__), "assets", "demo_
 DEMO_DECODER = "trained"
 DEMO_DECODER_NOTE = ("SmolLM2-135M-Instruct with stage-2 adapters (`lookm train decoder`) folded into its weights: "
                      "trained here to answer about 1-16 pictures of coloured shapes, its attention steered onto the "
-                     "object asked about, text replayed from the frozen model")
+                     "object asked about, to count by tallying the pictures in words, text replayed from the frozen model")
 DEMO_SEED = 0
 # Bump when the demo's construction or the GGUF conversion changes: the cache is keyed by it and by the
 # GGUF's content (`demo_key`), so a demo of another build or other weights is never silently reused.
-DEMO_BUILD = 11
+DEMO_BUILD = 12
 _MIB = 1 << 20
 
 

@@ -188,6 +188,22 @@ def test_answers_cut_at_max_new_tokens_are_reported(demo, tmp_path):
                         bench.KEY_FIELDS, bench.is_correct, schema=bench.ROW_SCHEMA, max_new_tokens=12,
                         log=logged.append)
     assert "warning" not in logged[-1], logged  # "Picture 3." ends well within 12 tokens
+    harness.run_prompts(demo, [harness.SweepConfig("full", 1.0)], [prompts[:1], prompts[1:]],
+                        str(tmp_path / "per_batch.jsonl"), bench.KEY_FIELDS, bench.is_correct, schema=bench.ROW_SCHEMA,
+                        max_new_tokens=[12, 1], log=logged.append)
+    assert "warning: 1 answers were cut at max_new_tokens=1 before" in logged[-1], logged  # one budget per batch
+    with pytest.raises(ValueError, match="one per batch"):
+        harness.run_prompts(demo, [harness.SweepConfig("full", 1.0)], [prompts], str(tmp_path / "bad.jsonl"),
+                            bench.KEY_FIELDS, bench.is_correct, schema=bench.ROW_SCHEMA, max_new_tokens=[12, 1])
+
+
+@pytest.mark.parametrize("pictures", [2, 8, 16])
+def test_a_tallied_count_fits_the_sweeps_default_budget(demo, pictures):
+    """A count answered picture by picture, and its end-of-turn token, fit the tokens a sweep gives it."""
+    longest = max(len(demo.tokenizer.encode(scenes.tallied_count(bench.task_sample("count_pictures", pictures, 0, i)
+                                                                   .questions[0])).ids) for i in range(30))
+    assert longest + 1 <= bench.answer_tokens("count_pictures", pictures), longest
+    assert bench.answer_tokens("describe", pictures) == 24
 
 
 @pytest.mark.slow

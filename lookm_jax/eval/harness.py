@@ -190,7 +190,8 @@ def encode_asked_after(model, batch: Sequence[Prompt]) -> tuple[np.ndarray, np.n
 
 def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Prompt]], jsonl_path: str,
                 key_fields: Sequence[str], is_correct: Callable[[str, str], bool], *, schema: Mapping[str, Field],
-                max_new_tokens: int, max_decode_rows: int = 16, key_defaults: dict | None = None, log=print) -> None:
+                max_new_tokens: int | Sequence[int], max_decode_rows: int = 16, key_defaults: dict | None = None,
+                log=print) -> None:
     """Answer every batch with every config, appending rows to `jsonl_path` batch by batch.
 
     Rows already in the file (same key fields, label and budget) are skipped, so a rerun resumes;
@@ -204,10 +205,13 @@ def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Pr
     if configs[0] != SweepConfig("full", 1.0):
         raise ValueError("configs must start with the full cache (fidelity's reference)")
     methods = [c.build() for c in configs]
+    budgets = [max_new_tokens] * len(batches) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(budgets) != len(batches):
+        raise ValueError(f"max_new_tokens must be one int or one per batch ({len(batches)}), got {len(budgets)}")
     done = {row_key(r, key_fields, key_defaults) for r in read_rows(jsonl_path, schema)}
     os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
     jsonl.drop_cut_line(jsonl_path)
-    start, ran, unfinished = time.perf_counter(), 0, 0
+    start, ran, unfinished = time.perf_counter(), 0, {}
     eos = model.text_config.eos_token_ids
     for b, batch in enumerate(batches):
         keys = [tuple(p.key[f] for f in key_fields) for p in batch]
@@ -220,10 +224,11 @@ def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Pr
             (ids, mask, after), pixels = encode_asked_after(model, batch), _pixels(batch)
         else:
             (ids, mask, pixels), after = batch_inputs(model, batch), None
-        outputs = sweep.generate_methods(model, ids, pixels, mask, max_new_tokens, methods=methods,
+        outputs = sweep.generate_methods(model, ids, pixels, mask, budgets[b], methods=methods,
                                          max_decode_rows=max_decode_rows, after=after)
         reference = outputs[0]
-        unfinished += sum(not np.isin(row, eos).any() for tokens in outputs for row in tokens)
+        cut = sum(not np.isin(row, eos).any() for tokens in outputs for row in tokens)
+        unfinished[budgets[b]] = unfinished.get(budgets[b], 0) + cut
         lines = []
         for config, tokens in zip(configs, outputs):
             for r, (prompt, key) in enumerate(zip(batch, keys)):
@@ -243,9 +248,11 @@ def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Pr
         setting = ", ".join(f"{f} {batch[0].key[f]}" for f in key_fields if f != "sample")
         log(f"[{b + 1}/{len(batches)}] {setting} samples {batch[0].key['sample']}-{batch[-1].key['sample']}: "
             f"{elapsed:.0f} s elapsed, ETA {elapsed / ran * (len(batches) - b - 1):.0f} s")
-    if unfinished and eos:
-        log(f"warning: {unfinished} answers were cut at max_new_tokens={max_new_tokens} before their end-of-turn "
-            "token (scored as cut); give a larger --max-new-tokens if the answers are meant to be longer")
+    if any(unfinished.values()) and eos:
+        cuts = ", ".join(f"{n} answers were cut at max_new_tokens={budget}" for budget, n in sorted(unfinished.items())
+                         if n)
+        log(f"warning: {cuts} before their end-of-turn token (scored as cut); give a larger --max-new-tokens if the "
+            "answers are meant to be longer")
 
 
 def unique_rows(rows: list[dict], key_fields: Sequence[str], configs: list[SweepConfig],

@@ -154,18 +154,27 @@ def _key(seed: int, pictures: int, task: str, asked: str, sample: int) -> dict:
     return {"seed": seed, "pictures": pictures, "task": task, "asked": asked, "sample": sample}
 
 
+def answer_tokens(task: str, pictures: int) -> int:
+    """Greedy tokens a sweep gives an answer of `task` by default: 24 (a word, a description, the
+    needle's sentence of ~12), and for a count 8 per picture + 8, room for one answered picture by
+    picture (`scenes.tallied_count`: 49 tokens at 8 pictures, 107 at 16, with the demo's tokenizer)."""
+    return 8 * pictures + 8 if task == "count_pictures" else 24
+
+
 def run_benchmark(model, configs: list[harness.SweepConfig], tasks, pictures, n: int, seed: int, jsonl_path: str,
-                  *, batch_size: int = 4, max_new_tokens: int = 24, max_decode_rows: int = 16, asked: str = ASKED[0],
-                  pairs: str = PAIRS[0], log=print) -> list[dict]:
+                  *, batch_size: int = 4, max_new_tokens: int | None = None, max_decode_rows: int = 16,
+                  asked: str = ASKED[0], pairs: str = PAIRS[0], log=print) -> list[dict]:
     """Every task at every picture count, n samples each, answered by every config; rows appended
-    to `jsonl_path` and resumed (`harness.run_prompts`). Returns the rows of these settings."""
-    batches = []
+    to `jsonl_path` and resumed (`harness.run_prompts`). Each answer gets `max_new_tokens` greedy
+    tokens, or by default its task's `answer_tokens`. Returns the rows of these settings."""
+    batches, budgets = [], []
     for count in pictures:
         for task in tasks:
             prompts = task_prompts(model, task, count, n, seed, asked, pairs)
             batches += [prompts[i:i + batch_size] for i in range(0, n, batch_size)]
+            budgets += [max_new_tokens or answer_tokens(task, count)] * (len(batches) - len(budgets))
     harness.run_prompts(model, configs, batches, jsonl_path, KEY_FIELDS, is_correct, schema=ROW_SCHEMA,
-                        max_new_tokens=max_new_tokens, max_decode_rows=max_decode_rows, key_defaults=KEY_DEFAULTS,
+                        max_new_tokens=budgets, max_decode_rows=max_decode_rows, key_defaults=KEY_DEFAULTS,
                         log=log)
     return select_rows(harness.read_rows(jsonl_path, ROW_SCHEMA), configs, tasks, pictures, n, seed, asked, pairs)
 
@@ -330,8 +339,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=4, help="samples prefilled together")
     p.add_argument("--max-new-tokens", type=int,
                    help="greedy tokens per answer; fidelity compares all of them, the filler after an answer's end "
-                        "included (default: sweep 24, the needle's sentence takes ~12; calibrate 8 per picture of the "
-                        "most --pictures + 8, room for a count answered picture by picture, `scenes.tallied_count`)")
+                        "included (default: 24, the needle's sentence takes ~12; a count 8 per picture + 8, room for "
+                        "one answered picture by picture, `scenes.tallied_count`)")
     p.add_argument("--max-decode-rows", type=int, default=16, help="rows per shared decode call")
     p.add_argument("--jsonl", type=path_arg, help="per-sample rows, appended and resumed (default: results/scenes/MODE.jsonl)")
     p.add_argument("--output", type=path_arg, help="summary CSV in the `lookm plot sweep` format (default: docs/scenes_MODE.csv, "
@@ -356,9 +365,7 @@ def cmd_scenes(args) -> int:
     jsonl = args.jsonl or os.path.join("results", "scenes", f"{args.mode}.jsonl")
     suffix = ("_after" if asked == ASKED[1] else "") + ("_trained" if args.pairs == "trained" else "")
     output = args.output or os.path.join("docs", f"scenes_{args.mode}{suffix}.csv")
-    if args.max_new_tokens is None:  # a sweep's fidelity depends on it: kept where its recorded runs had it
-        args.max_new_tokens = 24 if args.mode == "sweep" else max(24, 8 * max(args.pictures) + 8)
-    if args.samples < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
+    if args.samples < 1 or args.batch_size < 1 or (args.max_new_tokens is not None and args.max_new_tokens < 1):
         raise ValueError(f"need --samples, --batch-size and --max-new-tokens >= 1, got {args.samples}, "
                          f"{args.batch_size}, {args.max_new_tokens}")
     harness.check_run_arguments(args, jsonl, output)
