@@ -12,7 +12,11 @@ Prints, for the candidate model (the shipped demo, or a stage-2 run's exported w
   held-out questions again over scenes without a green triangle (`pairs="trained"`): the trained
   skill apart from generalising to the unseen pair;
 - text only: the share of the first 32 greedy tokens equal to the frozen SmolLM2's on the held-out
-  replay prompts (`train.replay`, none of which training reads), and the Paris question's answer.
+  replay prompts (`train.replay`, none of which training reads), and the Paris question's answer;
+  beside it, what that share is made of: the same tokens read with the frozen continuation as the
+  prefix (`replay.forced_divergence`: how often the candidate's next token differs, and how near the
+  frozen decoder was to choosing the candidate's token there), and the share the frozen decoder itself
+  keeps when run in bfloat16 instead of float32 (the measure's own sensitivity to near-ties).
 Multi-picture questions are `lookm eval scenes calibrate` (the full cache per task).
 """
 
@@ -35,6 +39,7 @@ def main() -> None:
     parser.add_argument("--json", type=json_path, help="also write the figures here")
     args = parser.parse_args()
 
+    import jax.numpy as jnp
     import numpy as np
 
     from lookm_jax import loading
@@ -54,6 +59,8 @@ def main() -> None:
     generated = replay.greedy_continuations(candidate, ids)
     agreement = replay.agreement(reference, generated)
     exact = float(np.mean([replay.agreement([r], [g]) == 1.0 for r, g in zip(reference, generated)]))
+    forced = replay.forced_divergence(frozen, candidate, ids, reference)
+    rounded = replay.agreement(reference, replay.greedy_continuations(frozen.astype(jnp.bfloat16), ids))
     paris = candidate.decode_text(candidate.generate(candidate.encode_chat("What is the capital of France?"),
                                                      max_new_tokens=16)[0])
     report = {"single_accuracy": single["accuracy"], "single_by_kind": single["by_kind"], "single_n": args.single,
@@ -61,6 +68,8 @@ def main() -> None:
               "single_trained_accuracy": trained["accuracy"], "single_trained_by_kind": trained["by_kind"],
               "combination_accuracy": combination["accuracy"], "combination_n": args.combination,
               "text_agreement": agreement, "text_identical_share": exact, "text_prompts": len(prompts),
+              "text_forced_agreement": forced["forced_agreement"], "text_gap_at_divergence": forced["gap_at_divergence"],
+              "frozen_bfloat16_text_agreement": rounded,
               "paris_answer": paris, "seconds": round(time.perf_counter() - start, 1)}
     print(f"single picture ({args.single} held-out): {single['accuracy']:.3f}; "
           + ", ".join(f"{k} {v:.3f}" for k, v in single["by_kind"].items()))
@@ -73,6 +82,10 @@ def main() -> None:
     print(f"held-out combination ({args.combination}): {combination['accuracy']:.3f}")
     print(f"text ({len(prompts)} held-out prompts): {agreement:.3f} of the first {replay.REPLAY_TOKENS} greedy tokens "
           f"equal to the frozen decoder's; {exact:.2f} of the prompts identical throughout")
+    gap = forced["gap_at_divergence"]
+    print(f"  with the frozen continuation as the prefix: {forced['forced_agreement']:.3f} of its tokens the candidate's "
+          f"next token; where they first differ the frozen decoder preferred its own by a median "
+          f"{'-' if gap is None else f'{gap:.3f}'} in probability; the frozen decoder in bfloat16 keeps {rounded:.3f}")
     print(f"'What is the capital of France?' -> {paris!r}")
     if args.json:
         with open(args.json, "w") as f:

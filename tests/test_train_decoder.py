@@ -130,6 +130,21 @@ def test_replay_agreement_counts_positions_and_pads_stopped_rows():
     assert len(replay.prompts("heldout", 0)) >= 100
 
 
+def test_forced_divergence_reads_each_token_after_the_reference_s_own_prefix(tiny):
+    """Against its own greedy continuations a model agrees on every token; a changed model differs somewhere,
+    and where it first does, the reference preferred its own token (its greedy choice) by a gap >= 0."""
+    bank = _bank(tiny, rows=4, answer=8)
+    ids = [np.asarray([p], np.int32) for p in bank.prompt_ids]
+    reference = [list(t) for t in bank.continuations]
+    assert replay.forced_divergence(tiny, tiny, ids, reference) == {"forced_agreement": 1.0, "diverging": 0.0,
+                                                                      "gap_at_divergence": None}
+    text = tiny.params["text"]
+    changed = dataclasses.replace(tiny, params={**tiny.params, "text": lora.fold(text, _random_adapters(text), 30.0)},
+                                  _compiled={})
+    moved = replay.forced_divergence(tiny, changed, ids, reference)
+    assert 0.0 < moved["diverging"] and moved["forced_agreement"] < 1.0 and moved["gap_at_divergence"] >= 0.0, moved
+
+
 def test_generated_replay_prompts_are_the_models_own_distinct_user_turns(demo, tiny, tmp_path, monkeypatch):
     """Magpie's recipe on the demo: distinct, seeded user turns, none a held-out prompt; the train bank
     holds the templates then them, and is read back on resume only for the same count."""

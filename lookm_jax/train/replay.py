@@ -186,6 +186,33 @@ def bank(model, directory: str, split: str, seed: int, generated: int = 0, progr
     return made
 
 
+def forced_divergence(reference_model, model, prompt_ids: list[np.ndarray],
+                      reference: list[list[int]]) -> dict:
+    """How `model` leaves `reference_model`'s greedy continuations (`reference`, of `prompt_ids`), read with
+    the reference's own tokens as the prefix (teacher forcing), so one early difference does not count
+    for every token after it as in `agreement`:
+    - "forced_agreement": share of the reference's tokens that are `model`'s argmax after the same prefix;
+    - "diverging": share of prompts where some token is not (the free-running continuations part there);
+    - "gap_at_divergence": at each such prompt's first differing token, the reference model's probability
+      of its own token minus that of `model`'s choice, median (small: the reference nearly chose the same).
+    """
+    forced, gaps = [], []
+    for ids, tokens in zip(prompt_ids, reference, strict=True):
+        sequence = np.concatenate([ids[0], np.asarray(tokens, ids.dtype)])[None]  # [1, L + T]
+        start, end = ids.shape[1] - 1, ids.shape[1] - 1 + len(tokens)  # logits predicting each reference token
+        choices = model.logits(sequence)[0, start:end].argmax(-1)  # [T]
+        forced.append(np.mean(choices == np.asarray(tokens)))
+        differing = np.flatnonzero(choices != np.asarray(tokens))
+        if differing.size:
+            t = differing[0]
+            logits = reference_model.logits(sequence)[0, start + t]  # [V]
+            probabilities = np.exp(logits - logits.max())
+            probabilities /= probabilities.sum()
+            gaps.append(float(probabilities[tokens[t]] - probabilities[choices[t]]))
+    return {"forced_agreement": float(np.mean(forced)), "diverging": len(gaps) / len(reference),
+            "gap_at_divergence": float(np.median(gaps)) if gaps else None}
+
+
 def agreement(reference: list[list[int]], generated: list[list[int]]) -> float:
     """Share of the first REPLAY_TOKENS positions where two greedy continuations hold the same token
     (a continuation that stopped is padded with its end token, so two that stop together agree)."""
