@@ -46,8 +46,9 @@ DEMO_IMAGE_PROCESSOR = {"size": {"shortest_edge": 112}, "crop_size": {"height": 
 DEMO_VISION_WEIGHTS = os.path.join(os.path.dirname(__file__), "assets", "demo_vision.safetensors")
 DEMO_VISION_NOTE = ("the vision tower and projector come from short training runs here (3000 tower-only steps, 600 "
                     "through the frozen decoder, then the projector 1500 more with the decoder's stage-2 adapters) on "
-                    "procedural scenes of coloured shapes (lookm_jax.scenes): 88% of held-out single-picture questions "
-                    "right against ~35% by chance, so they see such shapes but not reliably")
+                    "procedural scenes of coloured shapes (lookm_jax.scenes): with the stage-2 decoder 93% of held-out "
+                    "single-picture questions right against ~35% by chance, the green triangle (never trained) mostly "
+                    "called a circle")
 DEMO_ADAPTERS_WEIGHTS = os.path.join(os.path.dirname(__file__), "assets", "demo_adapters.safetensors")
 # What the demo's decoder is by default: "trained" (stage 2's adapters, `lookm train decoder`, folded into
 # SmolLM2's weights from DEMO_ADAPTERS_WEIGHTS); "frozen" is SmolLM2 as the GGUF holds it.
