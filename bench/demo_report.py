@@ -68,7 +68,8 @@ def main() -> None:
               "single_trained_accuracy": trained["accuracy"], "single_trained_by_kind": trained["by_kind"],
               "combination_accuracy": combination["accuracy"], "combination_n": args.combination,
               "text_agreement": agreement, "text_identical_share": exact, "text_prompts": len(prompts),
-              "text_forced_agreement": forced["forced_agreement"], "text_gap_at_divergence": forced["gap_at_divergence"],
+              "text_forced_agreement": forced["forced_agreement"], "text_diverging_share": forced["diverging"],
+              "text_gap_at_divergence": forced["gap_at_divergence"],
               "frozen_bfloat16_text_agreement": rounded,
               "paris_answer": paris, "seconds": round(time.perf_counter() - start, 1)}
     print(f"single picture ({args.single} held-out): {single['accuracy']:.3f}; "
@@ -84,7 +85,8 @@ def main() -> None:
           f"equal to the frozen decoder's; {exact:.2f} of the prompts identical throughout")
     gap = forced["gap_at_divergence"]
     print(f"  with the frozen continuation as the prefix: {forced['forced_agreement']:.3f} of its tokens the candidate's "
-          f"next token; where they first differ the frozen decoder preferred its own by a median "
+          f"next token; in {forced['diverging']:.2f} of the prompts some token differs, and where one first does "
+          f"the frozen decoder preferred its own by a median "
           f"{'-' if gap is None else f'{gap:.3f}'} in probability; the frozen decoder in bfloat16 keeps {rounded:.3f}")
     print(f"'What is the capital of France?' -> {paris!r}")
     if args.json:

@@ -171,9 +171,9 @@ def run_benchmark(model, configs: list[harness.SweepConfig], tasks, pictures, n:
     for count in pictures:
         for task in tasks:
             prompts = task_prompts(model, task, count, n, seed, asked, pairs)
-            batches += [prompts[i:i + batch_size] for i in range(0, n, batch_size)]
+            chunks = [prompts[i:i + batch_size] for i in range(0, n, batch_size)]
             budget = answer_tokens(task, count) if max_new_tokens is None else max_new_tokens
-            budgets += [budget] * (len(batches) - len(budgets))
+            batches, budgets = batches + chunks, budgets + [budget] * len(chunks)
     harness.run_prompts(model, configs, batches, jsonl_path, KEY_FIELDS, is_correct, schema=ROW_SCHEMA,
                         max_new_tokens=budgets, max_decode_rows=max_decode_rows, key_defaults=KEY_DEFAULTS,
                         log=log)

@@ -197,12 +197,13 @@ def forced_divergence(reference_model, model, prompt_ids: list[np.ndarray],
       of its own token minus that of `model`'s choice, median (small: the reference nearly chose the same).
     """
     forced, gaps = [], []
-    for ids, tokens in zip(prompt_ids, reference, strict=True):
-        sequence = np.concatenate([ids[0], np.asarray(tokens, ids.dtype)])[None]  # [1, L + T]
+    for ids, continuation in zip(prompt_ids, reference, strict=True):
+        tokens = np.asarray(continuation, ids.dtype)  # [T]
+        sequence = np.concatenate([ids[0], tokens])[None]  # [1, L + T]
         start, end = ids.shape[1] - 1, ids.shape[1] - 1 + len(tokens)  # logits predicting each reference token
         choices = model.logits(sequence)[0, start:end].argmax(-1)  # [T]
-        forced.append(np.mean(choices == np.asarray(tokens)))
-        differing = np.flatnonzero(choices != np.asarray(tokens))
+        forced.append(np.mean(choices == tokens))
+        differing = np.flatnonzero(choices != tokens)
         if differing.size:
             t = differing[0]
             logits = reference_model.logits(sequence)[0, start + t]  # [V]
