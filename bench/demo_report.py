@@ -14,8 +14,8 @@ Prints, for the candidate model (the shipped demo, or a stage-2 run's exported w
 - text only: the share of the first 32 greedy tokens equal to the frozen SmolLM2's on the held-out
   replay prompts (`train.replay`, none of which training reads), and the Paris question's answer;
   beside it, what that share is made of: the same tokens read with the frozen continuation as the
-  prefix (`replay.forced_divergence`: how often the candidate's next token differs, and how near the
-  frozen decoder was to choosing the candidate's token there), and the share the frozen decoder itself
+  prefix (`replay.forced_divergence`: how often the candidate's next token is the frozen one's, and how near
+  the frozen decoder was to choosing the candidate's token where they first differ), and the share the frozen decoder itself
   keeps when run in bfloat16 instead of float32 (the measure's own sensitivity to near-ties).
 Multi-picture questions are `lookm eval scenes calibrate` (the full cache per task).
 """
@@ -68,8 +68,7 @@ def main() -> None:
               "single_trained_accuracy": trained["accuracy"], "single_trained_by_kind": trained["by_kind"],
               "combination_accuracy": combination["accuracy"], "combination_n": args.combination,
               "text_agreement": agreement, "text_identical_share": exact, "text_prompts": len(prompts),
-              "text_forced_agreement": forced["forced_agreement"], "text_diverging_share": forced["diverging"],
-              "text_gap_at_divergence": forced["gap_at_divergence"],
+              "text_forced_agreement": forced["forced_agreement"], "text_gap_at_divergence": forced["gap_at_divergence"],
               "frozen_bfloat16_text_agreement": rounded,
               "paris_answer": paris, "seconds": round(time.perf_counter() - start, 1)}
     print(f"single picture ({args.single} held-out): {single['accuracy']:.3f}; "
@@ -85,8 +84,7 @@ def main() -> None:
           f"equal to the frozen decoder's; {exact:.2f} of the prompts identical throughout")
     gap = forced["gap_at_divergence"]
     print(f"  with the frozen continuation as the prefix: {forced['forced_agreement']:.3f} of its tokens the candidate's "
-          f"next token; in {forced['diverging']:.2f} of the prompts some token differs, and where one first does "
-          f"the frozen decoder preferred its own by a median "
+          f"next token; where they first differ the frozen decoder preferred its own by a median "
           f"{'-' if gap is None else f'{gap:.3f}'} in probability; the frozen decoder in bfloat16 keeps {rounded:.3f}")
     print(f"'What is the capital of France?' -> {paris!r}")
     if args.json:

@@ -191,15 +191,16 @@ def test_answers_cut_at_max_new_tokens_are_reported(demo, tmp_path):
     harness.run_prompts(demo, [harness.SweepConfig("full", 1.0)], [prompts[:1], prompts[1:]],
                         str(tmp_path / "per_batch.jsonl"), bench.KEY_FIELDS, bench.is_correct, schema=bench.ROW_SCHEMA,
                         max_new_tokens=[12, 1], log=logged.append)
-    assert "warning: 1 answers were cut at max_new_tokens=1 before" in logged[-1], logged  # one budget per batch
-    with pytest.raises(ValueError, match="one per batch"):
-        harness.run_prompts(demo, [harness.SweepConfig("full", 1.0)], [prompts], str(tmp_path / "bad.jsonl"),
-                            bench.KEY_FIELDS, bench.is_correct, schema=bench.ROW_SCHEMA, max_new_tokens=[12, 1])
+    assert "warning: 1 answers were cut at max_new_tokens=1 before" in logged[-1], logged  # one limit per batch
+    for bad in ([12, 1], [0], 0, True):  # a count of limits other than the batches', or a limit < 1
+        with pytest.raises(ValueError, match=r"max_new_tokens must be one int >= 1 or one per batch \(1 batches\)"):
+            harness.run_prompts(demo, [harness.SweepConfig("full", 1.0)], [prompts], str(tmp_path / "bad.jsonl"),
+                                bench.KEY_FIELDS, bench.is_correct, schema=bench.ROW_SCHEMA, max_new_tokens=bad)
 
 
 @pytest.mark.parametrize("pictures", [2, 8, 16])
-def test_a_tallied_count_fits_the_sweeps_default_budget(demo, pictures):
-    """A count answered picture by picture, and its end-of-turn token, fit the tokens a sweep gives it."""
+def test_a_tallied_count_fits_the_default_token_limit(demo, pictures):
+    """A count answered picture by picture, and its end-of-turn token, fit the tokens a run gives it."""
     longest = max(len(demo.tokenizer.encode(scenes.tallied_count(bench.task_sample("count_pictures", pictures, 0, i)
                                                                    .questions[0])).ids) for i in range(30))
     assert longest + 1 <= bench.answer_tokens("count_pictures", pictures), longest

@@ -131,18 +131,21 @@ def test_replay_agreement_counts_positions_and_pads_stopped_rows():
 
 
 def test_forced_divergence_reads_each_token_after_the_reference_s_own_prefix(tiny):
-    """Against its own greedy continuations a model agrees on every token; a changed model differs somewhere,
-    and where it first does, the reference preferred its own token (its greedy choice) by a gap >= 0."""
+    """Against its own greedy continuations a model agrees on every token; a changed model's forced agreement
+    is the trainer's teacher-forced replay accuracy (the same adapters applied on the fly, tokens pooled), and
+    where it first differs the reference preferred its own token (its greedy choice) by a gap >= 0."""
     bank = _bank(tiny, rows=4, answer=8)
+    bank = dataclasses.replace(bank, continuations=(bank.continuations[0][:3],) + bank.continuations[1:])  # uneven
     ids = [np.asarray([p], np.int32) for p in bank.prompt_ids]
     reference = [list(t) for t in bank.continuations]
-    assert replay.forced_divergence(tiny, tiny, ids, reference) == {"forced_agreement": 1.0, "diverging": 0.0,
-                                                                      "gap_at_divergence": None}
-    text = tiny.params["text"]
-    changed = dataclasses.replace(tiny, params={**tiny.params, "text": lora.fold(text, _random_adapters(text), 30.0)},
-                                  _compiled={})
+    assert replay.forced_divergence(tiny, tiny, ids, reference) == {"forced_agreement": 1.0, "gap_at_divergence": None}
+    text, adapters, scale = tiny.params["text"], _random_adapters(tiny.params["text"]), 30.0
+    changed = dataclasses.replace(tiny, params={**tiny.params, "text": lora.fold(text, adapters, scale)}, _compiled={})
     moved = replay.forced_divergence(tiny, changed, ids, reference)
-    assert 0.0 < moved["diverging"] and moved["forced_agreement"] < 1.0 and moved["gap_at_divergence"] >= 0.0, moved
+    batch = jax.tree.map(jnp.asarray, decoder.replay_batch(bank, range(4), length=24))
+    on_the_fly = decoder._replay_token_accuracy(tiny.config, scale)({"adapters": adapters}, {"text": text}, batch)
+    assert moved["forced_agreement"] == pytest.approx(float(on_the_fly), abs=1e-6), moved
+    assert moved["forced_agreement"] < 1.0 and moved["gap_at_divergence"] >= 0.0, moved
 
 
 def test_generated_replay_prompts_are_the_models_own_distinct_user_turns(demo, tiny, tmp_path, monkeypatch):

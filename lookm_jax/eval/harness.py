@@ -18,7 +18,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from lookm_jax.checks import check_input_file, check_output_file
+from lookm_jax.checks import check_input_file, check_output_file, is_int_at_least
 from lookm_jax.errors import MAX_SEED, InputError
 from lookm_jax.eval import jsonl
 from lookm_jax.eval.jsonl import Field
@@ -192,7 +192,8 @@ def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Pr
                 key_fields: Sequence[str], is_correct: Callable[[str, str], bool], *, schema: Mapping[str, Field],
                 max_new_tokens: int | Sequence[int], max_decode_rows: int = 16, key_defaults: dict | None = None,
                 log=print) -> None:
-    """Answer every batch with every config, appending rows to `jsonl_path` batch by batch.
+    """Answer every batch with every config, appending rows to `jsonl_path` batch by batch, each answer
+    `max_new_tokens` greedy tokens at most (one int, or one per batch: each distinct one compiles once).
 
     Rows already in the file (same key fields, label and budget) are skipped, so a rerun resumes;
     they are read as `read_rows(jsonl_path, schema)` reads them, so a bad row refuses the run.
@@ -205,9 +206,10 @@ def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Pr
     if configs[0] != SweepConfig("full", 1.0):
         raise ValueError("configs must start with the full cache (fidelity's reference)")
     methods = [c.build() for c in configs]
-    budgets = [max_new_tokens] * len(batches) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    if len(budgets) != len(batches):
-        raise ValueError(f"max_new_tokens must be one int or one per batch ({len(batches)}), got {len(budgets)}")
+    token_limits = [max_new_tokens] * len(batches) if np.ndim(max_new_tokens) == 0 else list(max_new_tokens)
+    if len(token_limits) != len(batches) or not all(is_int_at_least(n, 1) for n in token_limits):
+        raise ValueError(f"max_new_tokens must be one int >= 1 or one per batch ({len(batches)} batches), "
+                         f"got {max_new_tokens!r:.80}")
     done = {row_key(r, key_fields, key_defaults) for r in read_rows(jsonl_path, schema)}
     os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
     jsonl.drop_cut_line(jsonl_path)
@@ -224,11 +226,11 @@ def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Pr
             (ids, mask, after), pixels = encode_asked_after(model, batch), _pixels(batch)
         else:
             (ids, mask, pixels), after = batch_inputs(model, batch), None
-        outputs = sweep.generate_methods(model, ids, pixels, mask, budgets[b], methods=methods,
+        outputs = sweep.generate_methods(model, ids, pixels, mask, token_limits[b], methods=methods,
                                          max_decode_rows=max_decode_rows, after=after)
         reference = outputs[0]
         cut = sum(not np.isin(row, eos).any() for tokens in outputs for row in tokens)
-        unfinished[budgets[b]] = unfinished.get(budgets[b], 0) + cut
+        unfinished[token_limits[b]] = unfinished.get(token_limits[b], 0) + cut
         lines = []
         for config, tokens in zip(configs, outputs):
             for r, (prompt, key) in enumerate(zip(batch, keys)):
@@ -249,7 +251,7 @@ def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Pr
         log(f"[{b + 1}/{len(batches)}] {setting} samples {batch[0].key['sample']}-{batch[-1].key['sample']}: "
             f"{elapsed:.0f} s elapsed, ETA {elapsed / ran * (len(batches) - b - 1):.0f} s")
     if any(unfinished.values()) and eos:
-        cuts = ", ".join(f"{n} answers were cut at max_new_tokens={budget}" for budget, n in sorted(unfinished.items())
+        cuts = ", ".join(f"{n} answers were cut at max_new_tokens={limit}" for limit, n in sorted(unfinished.items())
                          if n)
         log(f"warning: {cuts} before their end-of-turn token (scored as cut); give a larger --max-new-tokens if the "
             "answers are meant to be longer")

@@ -155,9 +155,10 @@ def _key(seed: int, pictures: int, task: str, asked: str, sample: int) -> dict:
 
 
 def answer_tokens(task: str, pictures: int) -> int:
-    """Greedy tokens a sweep gives an answer of `task` by default: 24 (a word, a description, the
-    needle's sentence of ~12), and for a count 8 per picture + 8, room for one answered picture by
-    picture (`scenes.tallied_count`: 49 tokens at 8 pictures, 107 at 16, with the demo's tokenizer)."""
+    """Greedy tokens a run (sweep or calibration) gives an answer of `task` by default: 24 (a word, a
+    description, the needle's sentence of ~12), and for a count 8 per picture + 8, room for one answered
+    picture by picture (the longest `scenes.tallied_count` is 49 tokens at 8 pictures, 107 at 16, with
+    the demo's tokenizer)."""
     return 8 * pictures + 8 if task == "count_pictures" else 24
 
 
@@ -166,16 +167,17 @@ def run_benchmark(model, configs: list[harness.SweepConfig], tasks, pictures, n:
                   asked: str = ASKED[0], pairs: str = PAIRS[0], log=print) -> list[dict]:
     """Every task at every picture count, n samples each, answered by every config; rows appended
     to `jsonl_path` and resumed (`harness.run_prompts`). Each answer gets `max_new_tokens` greedy
-    tokens, or by default its task's `answer_tokens`. Returns the rows of these settings."""
-    batches, budgets = [], []
+    tokens, or by default its task's `answer_tokens`; rows do not record it, so resume a JSONL only with
+    the token limits it was written with. Returns the rows of these settings."""
+    batches, token_limits = [], []
     for count in pictures:
         for task in tasks:
             prompts = task_prompts(model, task, count, n, seed, asked, pairs)
             chunks = [prompts[i:i + batch_size] for i in range(0, n, batch_size)]
-            budget = answer_tokens(task, count) if max_new_tokens is None else max_new_tokens
-            batches, budgets = batches + chunks, budgets + [budget] * len(chunks)
+            limit = answer_tokens(task, count) if max_new_tokens is None else max_new_tokens
+            batches, token_limits = batches + chunks, token_limits + [limit] * len(chunks)
     harness.run_prompts(model, configs, batches, jsonl_path, KEY_FIELDS, is_correct, schema=ROW_SCHEMA,
-                        max_new_tokens=budgets, max_decode_rows=max_decode_rows, key_defaults=KEY_DEFAULTS,
+                        max_new_tokens=token_limits, max_decode_rows=max_decode_rows, key_defaults=KEY_DEFAULTS,
                         log=log)
     return select_rows(harness.read_rows(jsonl_path, ROW_SCHEMA), configs, tasks, pictures, n, seed, asked, pairs)
 

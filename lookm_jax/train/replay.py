@@ -191,18 +191,19 @@ def forced_divergence(reference_model, model, prompt_ids: list[np.ndarray],
     """How `model` leaves `reference_model`'s greedy continuations (`reference`, of `prompt_ids`), read with
     the reference's own tokens as the prefix (teacher forcing), so one early difference does not count
     for every token after it as in `agreement`:
-    - "forced_agreement": share of the reference's tokens that are `model`'s argmax after the same prefix;
-    - "diverging": share of prompts where some token is not (the free-running continuations part there);
-    - "gap_at_divergence": at each such prompt's first differing token, the reference model's probability
-      of its own token minus that of `model`'s choice, median (small: the reference nearly chose the same).
+    - "forced_agreement": share of all the reference's tokens (pooled over prompts, as the trainer's
+      `decoder.replay_metrics` pools them) that are `model`'s argmax after the same prefix;
+    - "gap_at_divergence": at each prompt's first differing token, the reference model's probability of its
+      own token minus that of `model`'s choice, median over those prompts (small: the reference nearly chose
+      the same); None if no token differs.
     """
-    forced, gaps = [], []
+    hits, total, gaps = 0, 0, []
     for ids, continuation in zip(prompt_ids, reference, strict=True):
         tokens = np.asarray(continuation, ids.dtype)  # [T]
         sequence = np.concatenate([ids[0], tokens])[None]  # [1, L + T]
         start, end = ids.shape[1] - 1, ids.shape[1] - 1 + len(tokens)  # logits predicting each reference token
         choices = model.logits(sequence)[0, start:end].argmax(-1)  # [T]
-        forced.append(np.mean(choices == tokens))
+        hits, total = hits + int(np.sum(choices == tokens)), total + len(tokens)
         differing = np.flatnonzero(choices != tokens)
         if differing.size:
             t = differing[0]
@@ -210,8 +211,7 @@ def forced_divergence(reference_model, model, prompt_ids: list[np.ndarray],
             probabilities = np.exp(logits - logits.max())
             probabilities /= probabilities.sum()
             gaps.append(float(probabilities[tokens[t]] - probabilities[choices[t]]))
-    return {"forced_agreement": float(np.mean(forced)), "diverging": len(gaps) / len(reference),
-            "gap_at_divergence": float(np.median(gaps)) if gaps else None}
+    return {"forced_agreement": hits / max(total, 1), "gap_at_divergence": float(np.median(gaps)) if gaps else None}
 
 
 def agreement(reference: list[list[int]], generated: list[list[int]]) -> float:
