@@ -14,9 +14,10 @@ Prints, for the candidate model (the shipped demo, or a stage-2 run's exported w
 - text only: the share of the first 32 greedy tokens equal to the frozen SmolLM2's on the held-out
   replay prompts (`train.replay`, none of which training reads), and the Paris question's answer;
   beside it, what that share is made of: the same tokens read with the frozen continuation as the
-  prefix (`replay.forced_divergence`: how often the candidate's next token is the frozen one's, and how near
-  the frozen decoder was to choosing the candidate's token where they first differ), and the share the frozen decoder itself
-  keeps when run in bfloat16 instead of float32 (the measure's own sensitivity to near-ties).
+  prefix (`replay.forced_divergence`: how often the candidate's next token is the frozen one's, and how
+  near the frozen decoder was to choosing the candidate's token where they first differ), and the share
+  the frozen decoder itself keeps when run in bfloat16 instead of float32 (the measure's own sensitivity
+  to near-ties).
 Multi-picture questions are `lookm eval scenes calibrate` (the full cache per task).
 """
 

@@ -215,7 +215,7 @@ def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Pr
     jsonl.drop_cut_line(jsonl_path)
     start, ran, unfinished = time.perf_counter(), 0, {}
     eos = model.text_config.eos_token_ids
-    for b, batch in enumerate(batches):
+    for b, (batch, limit) in enumerate(zip(batches, token_limits)):
         keys = [tuple(p.key[f] for f in key_fields) for p in batch]
         todo = {(c.label, c.budget, k) for c in configs for k in keys if k + (c.label, c.budget) not in done}
         if not todo:
@@ -226,11 +226,11 @@ def run_prompts(model, configs: list[SweepConfig], batches: Sequence[Sequence[Pr
             (ids, mask, after), pixels = encode_asked_after(model, batch), _pixels(batch)
         else:
             (ids, mask, pixels), after = batch_inputs(model, batch), None
-        outputs = sweep.generate_methods(model, ids, pixels, mask, token_limits[b], methods=methods,
+        outputs = sweep.generate_methods(model, ids, pixels, mask, limit, methods=methods,
                                          max_decode_rows=max_decode_rows, after=after)
         reference = outputs[0]
         cut = sum(not np.isin(row, eos).any() for tokens in outputs for row in tokens)
-        unfinished[token_limits[b]] = unfinished.get(token_limits[b], 0) + cut
+        unfinished[limit] = unfinished.get(limit, 0) + cut
         lines = []
         for config, tokens in zip(configs, outputs):
             for r, (prompt, key) in enumerate(zip(batch, keys)):

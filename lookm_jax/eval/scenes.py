@@ -175,7 +175,8 @@ def run_benchmark(model, configs: list[harness.SweepConfig], tasks, pictures, n:
             prompts = task_prompts(model, task, count, n, seed, asked, pairs)
             chunks = [prompts[i:i + batch_size] for i in range(0, n, batch_size)]
             limit = answer_tokens(task, count) if max_new_tokens is None else max_new_tokens
-            batches, token_limits = batches + chunks, token_limits + [limit] * len(chunks)
+            batches += chunks
+            token_limits += [limit] * len(chunks)
     harness.run_prompts(model, configs, batches, jsonl_path, KEY_FIELDS, is_correct, schema=ROW_SCHEMA,
                         max_new_tokens=token_limits, max_decode_rows=max_decode_rows, key_defaults=KEY_DEFAULTS,
                         log=log)
