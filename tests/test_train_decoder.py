@@ -269,6 +269,33 @@ def test_a_run_started_from_an_exported_run_starts_where_it_ended(tiny, tmp_path
         decoder.initial_trainable(other_tower, dataclasses.replace(config, init=str(first)))
 
 
+
+def test_adapters_at_rate_zero_stay_the_scaled_init_while_the_projector_trains(tiny, tmp_path):
+    """`learning_rate=0` with `init_scale`: the init's adapters, b scaled, are the run's throughout (so
+    text-only answers cannot move) and only the projector learns; a config that trains nothing, or scales
+    adapters without an init, is refused."""
+    from lookm_jax.train import vision
+
+    first = tmp_path / "first"
+    trained = _train(tiny, _config(3), first)
+    decoder.export_adapters(str(first / decoder.ADAPTERS_FILE), trained["adapters"], 2.0, {})
+    vision.export_weights(str(first / decoder.VISION_FILE),
+                          {"vision": jax.device_get(tiny.params["vision"]), "projector": trained["projector"]}, {})
+    config = _config(4, learning_rate=0.0, projector_learning_rate=1e-2, init=str(first), init_scale=0.5)
+    start = jax.device_get(decoder.initial_trainable(tiny, config))
+    whole = jax.device_get(decoder.initial_trainable(tiny, dataclasses.replace(config, init_scale=1.0)))
+    chex.assert_trees_all_close(jax.tree.map(lambda ad: ad["b"], start["adapters"], is_leaf=lambda x: "b" in x),
+                                jax.tree.map(lambda ad: 0.5 * ad["b"], whole["adapters"], is_leaf=lambda x: "b" in x))
+    assert any(float(np.abs(ad["b"]).max()) > 0 for layer in start["adapters"] for ad in layer.values())
+    after = _train(tiny, config, tmp_path / "projector")
+    chex.assert_trees_all_equal(after["adapters"], start["adapters"])
+    assert not all(jax.tree.leaves(jax.tree.map(np.array_equal, after["projector"], start["projector"])))
+    with pytest.raises(ValueError, match="both 0: nothing would train"):
+        dataclasses.replace(config, projector_learning_rate=0.0)
+    with pytest.raises(ValueError, match="init_scale must be a finite number > 0, and 1 without an init"):
+        dataclasses.replace(config, init=None)
+
+
 def test_kind_weights_draw_multi_picture_kinds_in_proportion():
     from collections import Counter
 
@@ -442,6 +469,8 @@ def test_decoder_command_read_flags_reach_the_config_and_bad_ones_are_refused(tm
     assert config().subspace_dims == 0 and config("--subspace-dims", "64").subspace_dims == 64
     assert config().replay_generated == 0 and config("--replay-generated", "1500").replay_generated == 1500
     assert config().batches == decoder.DEFAULT_BATCHES
+    frozen_adapters = config("--learning-rate", "0", "--init", "shipped", "--init-scale", "0.5")
+    assert (frozen_adapters.learning_rate, frozen_adapters.init_scale) == (0.0, 0.5)
     assert config("--count-answers", "listed").batches == decoder.with_count_form("listed")
     assert config("--count-answers", "tallied").batches == decoder.with_count_form("tallied")
     out = tmp_path / "run"
@@ -450,7 +479,9 @@ def test_decoder_command_read_flags_reach_the_config_and_bad_ones_are_refused(tm
                                  ("--read-layers", "5-3", "argument --read-layers: expected FIRST-LAST or"),
                                  ("--read-layers", "2,2", "argument --read-layers: expected FIRST-LAST or"),
                                  ("--subspace-dims", "-1", "argument --subspace-dims:"),
-                                 ("--replay-generated", "-1", "argument --replay-generated:")):
+                                 ("--replay-generated", "-1", "argument --replay-generated:"),
+                                 ("--learning-rate", "-1", "--learning-rate must be >= 0, got -1.0"),
+                                 ("--init-scale", "0.5", "--init-scale scales the --init adapters, and no --init was given")):
         with pytest.raises(SystemExit) if message.startswith("argument") else contextlib.nullcontext():
             assert cli.main(["train", "decoder", "--output", str(out), flag, value]) == 2
         assert message in capsys.readouterr().err

@@ -120,7 +120,7 @@ class DecoderConfig:
     steps: int = 600
     rank: int = 16
     scale: float = 2.0  # LoRA's alpha / rank: the adapted weight is W + scale * b @ a
-    learning_rate: float = 3e-4  # the adapters' peak AdamW rate
+    learning_rate: float = 3e-4  # the adapters' peak AdamW rate; 0 keeps the init's (only the projector trains)
     projector_learning_rate: float = 1e-4
     warmup_steps: int = 30
     weight_decay: float = 0.0
@@ -137,6 +137,7 @@ class DecoderConfig:
     checkpoint_every: int = 10
     eval_samples: int = 32  # held-out questions per split at each evaluation
     init: str | None = None  # a finished run's folder, or SHIPPED: its adapters and projector start this run
+    init_scale: float = 1.0  # the init's adapters start scaled by this (b x init_scale)
     subspace_dims: int = 0  # > 0: each adapter reads only that many input directions (`subspace`); 0: all
     FREE_ON_RESUME: ClassVar[tuple[str, ...]] = ("eval_every", "checkpoint_every", "eval_samples")
 
@@ -148,9 +149,13 @@ class DecoderConfig:
                      "read_weight"):
             if not is_real(getattr(self, name)) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
-        if not self.learning_rate > 0 or not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"need learning_rate > 0 and 0 <= warmup_steps < steps, got "
-                             f"{self.learning_rate}, {self.warmup_steps}, {self.steps}")
+        if self.learning_rate == 0 == self.projector_learning_rate:
+            raise ValueError("learning_rate and projector_learning_rate are both 0: nothing would train")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"need 0 <= warmup_steps < steps, got {self.warmup_steps}, {self.steps}")
+        if not is_real(self.init_scale) or self.init_scale <= 0 or (self.init is None and self.init_scale != 1):
+            raise ValueError(f"init_scale must be a finite number > 0, and 1 without an init, got {self.init_scale} "
+                             f"(init {self.init})")
         if self.replay_generated < 0:
             raise ValueError(f"replay_generated must be >= 0, got {self.replay_generated}")
         if self.replay_generated and not 1 <= self.replay_batch_size // 2 <= self.replay_generated:
@@ -172,8 +177,9 @@ class DecoderConfig:
 
 def initial_trainable(model, config: DecoderConfig) -> dict:
     """{"adapters", "projector"} the run starts from: fresh adapters (LoRA's init) and `model`'s projector,
-    or those of `config.init` (exported b divided by `config.scale`, so the adapted decoder is the one
-    exported). Refuses an init of another rank or trained over another tower than `model`'s."""
+    or those of `config.init` (exported b x `config.init_scale` / `config.scale`, so the adapted decoder
+    is the one exported, its adapters scaled by init_scale). Refuses an init of another rank or trained
+    over another tower than `model`'s."""
     from lookm_jax import loading
 
     text = model.params["text"]
@@ -193,14 +199,15 @@ def initial_trainable(model, config: DecoderConfig) -> dict:
         jax.tree.map(np.array_equal, vision["vision"], model.params["vision"]))
     if not same_tower:
         raise ValueError(f"--init {config.init}: its projector was trained over another tower than the one this run uses")
-    adapters = jax.tree.map(jnp.asarray, tuple({name: {"a": ad["a"], "b": ad["b"] / config.scale}
+    factor = config.init_scale / config.scale
+    adapters = jax.tree.map(jnp.asarray, tuple({name: {"a": ad["a"], "b": ad["b"] * factor}
                                                 for name, ad in layer.items()} for layer in exported))
     return {"adapters": adapters, "projector": jax.tree.map(jnp.asarray, vision["projector"])}
 
 
 def optimizer(config: DecoderConfig) -> optax.GradientTransformation:
     """AdamW (warmup + cosine to 2% of the peak) after global-norm clipping: the adapters at
-    `learning_rate`, the projector at `projector_learning_rate` (frozen when 0)."""
+    `learning_rate`, the projector at `projector_learning_rate` (either frozen when 0)."""
     def adamw(peak: float) -> optax.GradientTransformation:
         if peak == 0:
             return optax.set_to_zero()

@@ -47,7 +47,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--steps", type=int_at_least(2), default=600, help="steps (the cosine schedule's length)")
     p.add_argument("--rank", type=int_at_least(1), default=16, help="adapter rank")
     p.add_argument("--scale", type=positive_float, default=2.0, help="adapter scale (LoRA's alpha / rank)")
-    p.add_argument("--learning-rate", type=positive_float, default=3e-4, help="the adapters' peak AdamW rate")
+    p.add_argument("--learning-rate", type=finite_float, default=3e-4,
+                   help="the adapters' peak AdamW rate, >= 0 (0 keeps the --init adapters: only the projector trains, "
+                        "and text-only answers stay exactly the init's)")
     p.add_argument("--projector-learning-rate", type=finite_float, default=1e-4,
                    help="the projector's peak rate, >= 0 (0 keeps the shipped projector)")
     p.add_argument("--warmup-steps", type=int_at_least(0), default=30, help="linear warmup steps")
@@ -68,6 +70,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--checkpoint-every", type=int_at_least(1), default=10, help="steps between checkpoints")
     p.add_argument("--init", type=path_arg, help="start from a finished run's folder (its exported adapters and "
                    "projector), or 'shipped' for the demo's own; fresh optimizer and schedule (default: fresh adapters)")
+    p.add_argument("--init-scale", type=positive_float, default=1.0,
+                   help="scale the --init adapters by this at the start (b x F; default 1: as exported)")
     p.add_argument("--kind-weight", type=kind_weight, action="append", default=[], metavar="KIND=N",
                    help="draw multi-picture question KIND N times as often as the others (repeatable; kinds: "
                         "picture_colour picture_shape which_picture count_pictures picture_position describe)")
@@ -91,7 +95,9 @@ def decoder_config(args):
         raise ValueError("--read-weight > 0 needs --read-layers (e.g. 19-26)")
     if args.init not in (None, decoder.SHIPPED) and not os.path.isdir(args.init):
         raise ValueError(f"--init must be a finished run's folder or '{decoder.SHIPPED}', got {args.init} (no such folder)")
-    for flag in ("projector_learning_rate", "replay_weight", "read_weight"):
+    if args.init is None and args.init_scale != 1:
+        raise ValueError(f"--init-scale scales the --init adapters, and no --init was given (got {args.init_scale})")
+    for flag in ("learning_rate", "projector_learning_rate", "replay_weight", "read_weight"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     batches = decoder.weighted_batches(dict(args.kind_weight))
@@ -102,7 +108,7 @@ def decoder_config(args):
         projector_learning_rate=args.projector_learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
         replay_batch_size=args.replay_batch_size, replay_weight=args.replay_weight,
         replay_generated=args.replay_generated, eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every, init=args.init, read_weight=args.read_weight,
+        checkpoint_every=args.checkpoint_every, init=args.init, init_scale=args.init_scale, read_weight=args.read_weight,
         read_layers=args.read_layers, subspace_dims=args.subspace_dims,
         batches=batches)
 
