@@ -38,6 +38,8 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("accuracy_by_picture.py", ["--jsonl", "/nonexistent/rows.jsonl"], "--jsonl: no such file '/nonexistent/rows.jsonl'"),
     ("accuracy_by_picture.py", ["--jsonl", "accuracy_by_picture.py"], "--jsonl: "),
     ("accuracy_by_picture.py", ["--jsonl", "x", "--budgets", "0"], "argument --budgets: budget must be a fraction"),
+    ("adapter_scale.py", ["--scales", "1", "nan"], "--scales must be finite numbers > 0, got [1.0, nan]"),
+    ("adapter_scale.py", ["--scales", "1", "--layers", "5", "3"], "--layers needs FIRST <= LAST, got [5, 3]"),
 ])
 def test_bench_scripts_refuse_bad_arguments(script, argv, message):
     proc = subprocess.run([sys.executable, script, *argv], cwd=BENCH, capture_output=True, text=True, timeout=300)
