@@ -471,6 +471,8 @@ def test_decoder_command_read_flags_reach_the_config_and_bad_ones_are_refused(tm
     assert config().batches == decoder.DEFAULT_BATCHES
     frozen_adapters = config("--learning-rate", "0", "--init", "shipped", "--init-scale", "0.5")
     assert (frozen_adapters.learning_rate, frozen_adapters.init_scale) == (0.0, 0.5)
+    with pytest.raises(ValueError, match="--learning-rate and --projector-learning-rate are both 0: nothing would train"):
+        config("--learning-rate", "0", "--projector-learning-rate", "0")
     assert config("--count-answers", "listed").batches == decoder.with_count_form("listed")
     assert config("--count-answers", "tallied").batches == decoder.with_count_form("tallied")
     out = tmp_path / "run"

@@ -100,6 +100,8 @@ def decoder_config(args):
     for flag in ("learning_rate", "projector_learning_rate", "replay_weight", "read_weight"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    if args.learning_rate == 0 == args.projector_learning_rate:
+        raise ValueError("--learning-rate and --projector-learning-rate are both 0: nothing would train")
     batches = decoder.weighted_batches(dict(args.kind_weight))
     if args.count_answers != scenes.COUNT_FORMS[0]:
         batches = decoder.with_count_form(args.count_answers, batches)
