@@ -22,7 +22,11 @@ import tempfile
 
 from bench_args import at_least, json_path
 
-PARTS = {"all": ("w_qkv", "wo", "w_gate_up", "w_down"), "attention": ("w_qkv", "wo"), "mlp": ("w_gate_up", "w_down")}
+from lookm_jax.models import llama
+
+_ATTENTION = ("w_qkv", "wo")
+PARTS = {"all": llama.ADAPTED_WEIGHTS, "attention": _ATTENTION,
+         "mlp": tuple(w for w in llama.ADAPTED_WEIGHTS if w not in _ATTENTION)}
 
 
 def scaled_adapters(flat: dict, factor: float, weights: tuple[str, ...], layers: range | None) -> dict:

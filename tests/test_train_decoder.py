@@ -269,7 +269,6 @@ def test_a_run_started_from_an_exported_run_starts_where_it_ended(tiny, tmp_path
         decoder.initial_trainable(other_tower, dataclasses.replace(config, init=str(first)))
 
 
-
 def test_adapters_at_rate_zero_stay_the_scaled_init_while_the_projector_trains(tiny, tmp_path):
     """`learning_rate=0` with `init_scale`: the init's adapters, b scaled, are the run's throughout (so
     text-only answers cannot move) and only the projector learns; a config that trains nothing, or scales
