@@ -68,6 +68,7 @@ def main() -> None:
     from lookm_jax.train import replay
 
     flat = load_file(loading.DEMO_ADAPTERS_WEIGHTS)
+    tokens = {"adapted_tokens": loading.demo_adapters_tokens(loading.DEMO_ADAPTERS_WEIGHTS)}  # folded, or on images
     layers = None if not args.layers else range(args.layers[0], args.layers[1] + 1)
     frozen = loading.demo_model(vision="trained", decoder="frozen")
     text_sets = {}
@@ -82,7 +83,7 @@ def main() -> None:
         for factor in args.scales:
             label = f"{factor:g}x {args.parts}" + (f" layers {args.layers[0]}-{args.layers[1]}" if layers else "")
             path = os.path.join(scratch, "adapters.safetensors")
-            save_file(scaled_adapters(flat, factor, PARTS[args.parts], layers), path)
+            save_file(scaled_adapters(flat, factor, PARTS[args.parts], layers), path, metadata=tokens)
             model = loading.demo_model(vision="trained", decoder=path)
             row = {"candidate": label, "scale": factor, "parts": args.parts, "layers": args.layers}
             for name, rows_ids in ids.items():

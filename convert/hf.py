@@ -98,11 +98,15 @@ def llava_vision_params(config: LlavaConfig, tensors: dict[str, np.ndarray], dty
         for name in [k for k in tensors if k.startswith("vision." + tables.SIGLIP_HEAD)]:
             tables.drop(tensors, name)
     table, shapes = (tables.SIGLIP_TABLE, tables.siglip_shapes) if siglip else (tables.CLIP_TABLE, tables.clip_shapes)
-    return {
+    params = {
         "vision": apply_table(tensors, table, "vision.", config.vision.num_layers, shapes(config.vision), dtype),
         "projector": apply_table(tensors, tables.PROJECTOR_TABLE, "projector.", 0, tables.projector_shapes(config),
                                  dtype, skip=() if config.projector_bias else ("b1", "b2")),
     }
+    if config.image_adapter_rank:
+        params["image_adapters"] = apply_table(tensors, tables.IMAGE_ADAPTER_TABLE, "image_adapters.",
+                                               config.text.num_layers, tables.image_adapter_shapes(config), dtype)
+    return params
 
 
 def llava_next_vision_params(config: LlavaNextConfig, tensors: dict[str, np.ndarray], dtype) -> dict:

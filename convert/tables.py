@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from lookm_jax.models.config import CLIPVisionConfig, LlamaConfig, LlavaConfig
+from lookm_jax.models.llama import ADAPTED_WEIGHTS
 
 Transform = Callable[[np.ndarray], np.ndarray] | None
 
@@ -155,6 +156,23 @@ def llama_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
             "layers.w_gate": (n, h, i), "layers.w_up": (n, h, i), "layers.w_down": (n, i, h),
             **({"layers.bq": (n, cfg.num_heads * d), "layers.bk": (n, cfg.num_kv_heads * d),
                 "layers.bv": (n, cfg.num_kv_heads * d)} if cfg.qkv_bias else {})}
+
+
+# Decoder adapters acting on image tokens only (`LlavaConfig.image_adapter_rank`, models/llava.py): only
+# in lookm's own converted folders (the demo's), named image_adapters.{weight}.{a|b}, stacked over layers.
+IMAGE_ADAPTER_TABLE: list[tuple[str, str, Transform]] = [
+    (f"{weight}.{part}", f"layers.{{i}}.{weight}.{part}", None)
+    for weight in ADAPTED_WEIGHTS for part in ("a", "b")]
+
+
+def image_adapter_shapes(cfg: LlavaConfig) -> dict[str, tuple[int, ...]]:
+    """a [N, R, In] and b [N, Out, R] of each adapted weight, seen as the [Out, In] matrix `llama.dense` uses."""
+    text, r = cfg.text, cfg.image_adapter_rank
+    h, i, d = text.hidden_size, text.intermediate_size, text.head_dim
+    matrices = {"w_qkv": ((text.num_heads + 2 * text.num_kv_heads) * d, h), "wo": (h, text.num_heads * d),
+                "w_gate_up": (2 * i, h), "w_down": (h, i)}
+    return {f"{name}.{part}": (text.num_layers, *((r, inp) if part == "a" else (out, r)))
+            for name, (out, inp) in matrices.items() for part in ("a", "b")}
 
 
 def clip_shapes(cfg: CLIPVisionConfig) -> dict[str, tuple[int, ...]]:

@@ -26,13 +26,14 @@ def attention_received_padded(cfg, params: dict, input_ids: jax.Array, valid: ja
     Static: cfg; L is the static bucket length. The prompt encoder's per-layer hook keeps A_s, mean
     over every query head: returns [num_layers, B, L] float32, 0 at padding.
     """
-    x, _ = llava.embed(cfg, params, input_ids, pixel_values)  # [B, L, H]
+    x, is_image = llava.embed(cfg, params, input_ids, pixel_values)  # [B, L, H], [B, L]
 
     def received(q, k, v, stats, index):  # A_s [B, Hkv, L] -> mean over every query head [B, L]
         return scores_from_stats(stats).mean(axis=1)
 
     positions, _ = llava.rope_positions(cfg, input_ids, valid, pixel_values)  # M-RoPE for Qwen2-VL
-    return llama.encode(llava.text_config(cfg), params["text"], x, valid, (SUMS,), received, positions)[1]
+    text = llava.decoder_params(params, is_image)
+    return llama.encode(llava.text_config(cfg), text, x, valid, (SUMS,), received, positions)[1]
 
 
 def attention_received(model, input_ids, pixel_values=None) -> np.ndarray:

@@ -121,7 +121,8 @@ def _encode_prompt(cfg, params, input_ids, valid, pixel_values, statistics: tupl
     positions, next_position = llava.rope_positions(cfg, input_ids, valid, pixel_values)  # [(3,) B, L], [B]
     text_cfg = llava.text_config(cfg)
     if RECONSTRUCTION not in statistics:
-        h, kept = llama.encode(text_cfg, params["text"], x, valid, statistics, on_layer, positions)
+        h, kept = llama.encode(text_cfg, llava.decoder_params(params, is_image), x, valid, statistics, on_layer,
+                               positions)
         return h, kept, is_image, next_position
     length = x.shape[1]
     x2, valid2, positions2, query_masks = reconstruction.doubled_prompt(x, valid, positions, next_position)
@@ -130,7 +131,8 @@ def _encode_prompt(cfg, params, input_ids, valid, pixel_values, statistics: tupl
         cut = {name: stat[..., :length] for name, stat in stats.items()}
         return on_layer(q[:, :, :length], k[:, :, :length], v[:, :, :length], cut, index)
 
-    h, kept = llama.encode(text_cfg, params["text"], x2, valid2, statistics, first_copy, positions2, query_masks)
+    text = llava.decoder_params(params, reconstruction.doubled_marks(is_image, valid))
+    h, kept = llama.encode(text_cfg, text, x2, valid2, statistics, first_copy, positions2, query_masks)
     return h[:, :length], kept, is_image, next_position
 
 

@@ -257,15 +257,27 @@ def _vision_params(vision: str, hf_config: dict) -> dict:
     return read_demo_vision(vision)
 
 
-def _fold_adapters(text_config: dict, stored_text: dict, path: str) -> dict:
-    """Stored text params with the adapters of `path` folded in (`adapters.fold`, in the runtime
-    layout, then back to the stored one)."""
+def demo_adapters_tokens(path: str) -> str:
+    """Which tokens an adapters file's adapters act on: "all" (folded into the weights) or "image" (kept
+    apart, applied at the image tokens): its "adapted_tokens" metadata, "all" when it has none."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="numpy") as f:
+        return (f.metadata() or {}).get("adapted_tokens", "all")
+
+
+def _add_adapters(text_config: dict, stored_text: dict, path: str) -> tuple[dict, dict | None]:
+    """(stored text params, image adapters): the adapters of `path` folded into the text params
+    (`adapters.fold`, in the runtime layout, then back to the stored one) and None, or, when they act on
+    image tokens only, the text params as they were and the adapters stacked (`adapters.stacked`)."""
     from lookm_jax.train import adapters
 
     cfg = parse_config(text_config)
     runtime = llama.runtime_params(cfg, jax.tree.map(jnp.asarray, stored_text))
-    folded = adapters.fold(runtime, read_demo_adapters(path, runtime), 1.0)  # exported b carries the scale
-    return llama.stored_params(cfg, folded)
+    read = read_demo_adapters(path, runtime)  # exported b carries the scale
+    if demo_adapters_tokens(path) == "image":
+        return stored_text, adapters.stacked(read)
+    return llama.stored_params(cfg, adapters.fold(runtime, read, 1.0)), None
 
 
 def build_demo(gguf_path: str | None = None, vision: str = "trained", decoder: str = DEMO_DECODER) -> tuple[dict, dict, str]:
@@ -294,9 +306,13 @@ def build_demo(gguf_path: str | None = None, vision: str = "trained", decoder: s
                  "image_token_index": image_token_id, "vision_feature_layer": -1,
                  "vision_feature_select_strategy": "default", "projector_hidden_act": "gelu"}
     text = params_from_hf(parse_config(text_config), dict(ckpt.tensors))["text"]
+    image_adapters = None
     if decoder != "frozen":
-        text = _fold_adapters(text_config, text, DEMO_ADAPTERS_WEIGHTS if decoder == "trained" else decoder)
+        text, image_adapters = _add_adapters(text_config, text, DEMO_ADAPTERS_WEIGHTS if decoder == "trained" else decoder)
     params = {"text": text, **_vision_params(vision, hf_config)}
+    if image_adapters is not None:
+        params["image_adapters"] = image_adapters
+        hf_config["image_adapter_rank"] = int(image_adapters["w_qkv"]["a"].shape[1])
     manifest = {"hf_config": hf_config, "chat_template": ckpt.chat_template, "special_tokens": _special_tokens(ckpt),
                 "image_processor": DEMO_IMAGE_PROCESSOR,
                 "vision": {"trained": DEMO_VISION_NOTE, "init": "seeded initialisation, untrained"}.get(vision, vision),

@@ -31,9 +31,9 @@ from lookm_jax.models.config import LlamaConfig, LlavaConfig
 def forward_logits(cfg: LlavaConfig | LlamaConfig, params: dict, input_ids: jax.Array, valid: jax.Array,
                    pixel_values: jax.Array | None) -> jax.Array:
     """[B, L] ids -> [B, L, V] fp32 logits, no cache. Static: cfg; L is the static bucket length."""
-    x, _ = llava.embed(cfg, params, input_ids, pixel_values)
+    x, is_image = llava.embed(cfg, params, input_ids, pixel_values)
     positions, _ = llava.rope_positions(cfg, input_ids, valid, pixel_values)
-    h = llama.forward(llava.text_config(cfg), params["text"], x, valid, positions)
+    h = llama.forward(llava.text_config(cfg), llava.decoder_params(params, is_image), x, valid, positions)
     return llama.lm_logits(params["text"], h)
 
 

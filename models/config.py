@@ -234,6 +234,9 @@ class LlavaConfig:
     vision_feature_layer: int | tuple[int, ...] = -2
     vision_feature_select_strategy: str = "default"  # 'default' drops CLS, 'full' keeps it
     projector_bias: bool = True
+    # lookm's own key, not HF's: the rank of the decoder adapters that act on image tokens only
+    # (params["image_adapters"], models/llava.py; the demo's); 0: none
+    image_adapter_rank: int = 0
 
     @property
     def image_seq_length(self) -> int:
@@ -257,8 +260,11 @@ class LlavaConfig:
         handled = {"text_config", "vision_config", "image_token_index", "image_token_id",
                    "vision_feature_layer", "vision_feature_select_strategy", "projector_hidden_act",
                    "multimodal_projector_bias", "tie_word_embeddings", "image_seq_length",
-                   "ignore_index", "vocab_size"}
+                   "ignore_index", "vocab_size", "image_adapter_rank"}
         _check_fields(d, handled, where)
+        rank = d.get("image_adapter_rank", 0)
+        _require(isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0, where, "image_adapter_rank",
+                 rank, "a whole number >= 0")
         _require(d.get("projector_hidden_act", "gelu") == "gelu", where, "projector_hidden_act",
                  d.get("projector_hidden_act"), "'gelu' (exact erf)")
         strategy = d.get("vision_feature_select_strategy", "default")
@@ -272,7 +278,7 @@ class LlavaConfig:
         cfg = cls(text=LlamaConfig.from_hf(text), vision=vision_parser(d["vision_config"]),
                   image_token_id=int(d.get("image_token_id", d.get("image_token_index", 32000))),
                   vision_feature_layer=layer, vision_feature_select_strategy=strategy,
-                  projector_bias=bool(d.get("multimodal_projector_bias", True)))
+                  projector_bias=bool(d.get("multimodal_projector_bias", True)), image_adapter_rank=rank)
         for idx in cfg.feature_layers:
             _require(-(cfg.vision.num_layers + 1) <= idx <= cfg.vision.num_layers, where,
                      "vision_feature_layer", layer, f"indices into {cfg.vision.num_layers + 1} hidden states")

@@ -10,6 +10,7 @@ compiled programs read, and `stored_params` back (Model.save):
             (+ b_qkv [Hkv, G + 2, D] when cfg.qkv_bias: Qwen2)
             (+ adapters {name: {"a": [R, In], "b": [Out, R]}} for names in ADAPTED_WEIGHTS, while
             low-rank adapters are trained on the fly; shipped adapters are folded into the weights)
+
 Weights are [out, in], so a batch-1 decode dot contracts each weight's minor axis (on XLA:CPU it
 streams about twice as fast as [in, out]); q/k/v and gate/up are one dot each (larger dots stream
 faster: 30 SmolLM2 layers' batch-1 dots 22.5 -> 19.5 ms), split by KV head and by MLP row so a
@@ -231,11 +232,21 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
 
 def dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None, adapter: dict | None = None) -> jax.Array:
     """x [..., In] @ w[Out, In].T (+ b [Out]) (+ a low-rank update (x @ a.T) @ b.T, `adapter` =
-    {"a": [R, In], "b": [Out, R]}: LoRA applied on the fly, `lookm_jax.train.adapters`)."""
+    {"a": [R, In], "b": [Out, R]}: LoRA applied on the fly, `lookm_jax.train.adapters`; with
+    "tokens" [...] bool in it, only at the tokens it marks, e.g. the image tokens)."""
     y = jnp.einsum("...i,oi->...o", x, w)
     if adapter is not None:
-        y = y + jnp.einsum("...r,or->...o", jnp.einsum("...i,ri->...r", x, adapter["a"]), adapter["b"])
+        update = jnp.einsum("...r,or->...o", jnp.einsum("...i,ri->...r", x, adapter["a"]), adapter["b"])
+        y = y + (update if "tokens" not in adapter else jnp.where(adapter["tokens"][..., None], update, 0))
     return y if b is None else y + b
+
+
+def with_adapters_at(params: dict, stacked: dict, tokens: jax.Array) -> dict:
+    """Runtime text params whose layers carry adapters that act at the tokens `tokens` [B, L] marks only
+    (`dense`); `stacked` = {name (ADAPTED_WEIGHTS): {"a": [N, R, In], "b": [N, Out, R]}}, b scaled."""
+    layers = tuple({**lp, "adapters": {name: {"a": ad["a"][i], "b": ad["b"][i], "tokens": tokens}
+                                       for name, ad in stacked.items()}} for i, lp in enumerate(params["layers"]))
+    return {**params, "layers": layers}
 
 
 def _adapter(lp: dict, name: str) -> dict | None:

@@ -1,7 +1,9 @@
 """LLaVA-1.5: CLIP features -> linear-GELU-linear projector -> spliced at the image placeholders.
 
 Params: {"text": llama params, "vision": CLIP params, "projector": {w1, b1, w2, b2}}; a text-only
-model has "text" alone. `embed` is where the modality mask `is_image` is born.
+model has "text" alone. `embed` is where the modality mask `is_image` is born. A model may also carry
+"image_adapters" ({name: {"a": [N, R, In], "b": [N, Out, R]}}, `cfg.image_adapter_rank` > 0): low-rank
+updates of the decoder's weights that act on image tokens only (`decoder_params`), e.g. the demo's.
 
 The splice is shared by every multimodal architecture. A multimodal config has `text`
 (LlamaConfig), `image_token_id`, `image_seq_length` (features per unit of pixel_values: an image,
@@ -113,6 +115,15 @@ def embed(cfg, params: dict, input_ids: jax.Array,
     if pixel_values is None:
         return x, is_image
     return place_features(x, is_image, image_features(cfg, params, pixel_values)), is_image
+
+
+def decoder_params(params: dict, is_image: jax.Array) -> dict:
+    """The decoder's params for a pass over a prompt with image tokens `is_image` [B, L]: params["text"],
+    with the model's image adapters (if it has any) acting at those tokens. Every pass over a prompt
+    goes through this; a decode step or a question after a context is text and runs params["text"]."""
+    if "image_adapters" not in params:
+        return params["text"]
+    return llama.with_adapters_at(params["text"], params["image_adapters"], is_image)
 
 
 def place_features(x: jax.Array, is_image: jax.Array, features: jax.Array) -> jax.Array:

@@ -14,7 +14,7 @@ import pytest
 import reference_lookm as ref
 from lookm_jax import InputError, get_method, sweep
 from lookm_jax import generate as gen
-from lookm_jax.compression.reconstruction import doubled_prompt
+from lookm_jax.compression.reconstruction import doubled_marks, doubled_prompt
 from lookm_jax.compression.scoring import RECONSTRUCTION, STATISTICS, SUMS, column_stats
 from lookm_jax.models import llama, llava
 
@@ -49,6 +49,8 @@ def test_doubled_prompt_copies_each_row_after_itself():
     np.testing.assert_array_equal(masks[RECONSTRUCTION], [[0, 0, 0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0, 0, 0]])
     for name in STATISTICS:
         np.testing.assert_array_equal(masks[name], [[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0]])
+    marks = jnp.asarray([[0, 1, 1, 1], [1, 0, 1, 1]], bool)  # the last marks sit on padding
+    np.testing.assert_array_equal(doubled_marks(marks, valid), [[0, 1, 1, 0, 1, 1, 0, 0], [1, 0, 1, 0, 0, 0, 0, 0]])
     # M-RoPE's three position rows all move by the row's next position
     mrope = jnp.stack([positions, positions + 10, positions + 20])
     _, _, pos3, _ = doubled_prompt(x, valid, mrope, jnp.asarray([30, 25], jnp.int32))

@@ -17,6 +17,22 @@ import jax.numpy as jnp
 from lookm_jax.compression.scoring import RECONSTRUCTION, STATISTICS
 
 
+def _doubled_layout(valid: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """valid [B, L] -> [B, 2L] each: the first copy's positions, the second's, and the prompt token each copies."""
+    length = valid.shape[1]
+    n = valid.sum(axis=-1)[:, None]  # [B, 1]
+    index = jnp.arange(2 * length)[None, :]  # [1, 2L]
+    first = index < n
+    second = (index >= n) & (index < 2 * n)
+    return first, second, jnp.clip(jnp.where(first, index, index - n), 0, length - 1)
+
+
+def doubled_marks(marks: jax.Array, valid: jax.Array) -> jax.Array:
+    """Per-token marks [B, L] bool (e.g. `is_image`) -> [B, 2L], laid out as `doubled_prompt` lays out its rows."""
+    first, second, source = _doubled_layout(valid)
+    return jnp.take_along_axis(marks, source, axis=1) & (first | second)
+
+
 def doubled_prompt(x: jax.Array, valid: jax.Array, positions: jax.Array,
                    next_position: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, dict]:
     """Right-padded rows, each followed by a copy of itself.
@@ -28,12 +44,7 @@ def doubled_prompt(x: jax.Array, valid: jax.Array, positions: jax.Array,
     statistic counts: the prompt's own statistics (``STATISTICS``) the first copy's, ``RECONSTRUCTION``
     the second copy's.
     """
-    length = x.shape[1]
-    n = valid.sum(axis=-1)[:, None]  # [B, 1]
-    index = jnp.arange(2 * length)[None, :]  # [1, 2L]
-    first = index < n
-    second = (index >= n) & (index < 2 * n)
-    source = jnp.clip(jnp.where(first, index, index - n), 0, length - 1)  # [B, 2L]: the prompt token each copies
+    first, second, source = _doubled_layout(valid)
     x2 = jnp.where((first | second)[..., None], jnp.take_along_axis(x, source[..., None], axis=1), 0).astype(x.dtype)
     shift = jnp.where(second, next_position[:, None], 0)  # [B, 2L]
     gathered = jnp.take_along_axis(positions, jnp.broadcast_to(source, positions.shape[:-1] + source.shape[-1:]),

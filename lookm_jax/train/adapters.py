@@ -8,7 +8,9 @@ frozen decoder's outputs exactly).
 
 While training, `apply` puts {"a", "b" * scale} into each layer's params and `llama.dense` adds
 (x @ a.T) @ b.T: no dense weight gradient is ever formed. Shipped, `fold` adds scale * b @ a into
-the weights once, so the model stays a plain decoder and decode costs what it did.
+the weights once, so the model stays a plain decoder and decode costs what it did. Adapters trained on
+image tokens only (partial LoRA) are shipped unfolded (`stacked`, a model's "image_adapters"): a pass
+over a prompt applies them at its image tokens, and decode, all text, runs the plain weights.
 """
 
 from __future__ import annotations
@@ -45,9 +47,12 @@ def init(text_params: dict, rank: int, seed: int) -> Adapters:
     return tuple(layers)
 
 
-def apply(text_params: dict, adapters: Adapters, scale: float) -> dict:
-    """Runtime text params whose layers carry the adapters (b scaled), applied on the fly by `llama.dense`."""
-    layers = tuple({**lp, "adapters": {name: {"a": ad["a"], "b": scale * ad["b"]} for name, ad in layer.items()}}
+def apply(text_params: dict, adapters: Adapters, scale: float, tokens: jax.Array | None = None) -> dict:
+    """Runtime text params whose layers carry the adapters (b scaled), applied on the fly by `llama.dense`;
+    only at the tokens marked in `tokens` [B, L] (bool, e.g. the image tokens) when given, everywhere else
+    the frozen weights alone."""
+    only = {} if tokens is None else {"tokens": tokens}
+    layers = tuple({**lp, "adapters": {name: {"a": ad["a"], "b": scale * ad["b"], **only} for name, ad in layer.items()}}
                    for lp, layer in zip(text_params["layers"], adapters, strict=True))
     return {**text_params, "layers": layers}
 
@@ -62,6 +67,13 @@ def fold(text_params: dict, adapters: Adapters, scale: float) -> dict:
     layers = tuple({**lp, **{name: folded(lp[name], ad) for name, ad in layer.items()}}
                    for lp, layer in zip(text_params["layers"], adapters, strict=True))
     return {**text_params, "layers": layers}
+
+
+def stacked(adapters: Adapters) -> dict:
+    """{name: {"a": [N, R, In], "b": [N, Out, R]}} float32 numpy: a model's "image_adapters" (models/llava.py),
+    for adapters that act on image tokens only and so cannot be folded."""
+    return {name: {part: np.stack([np.asarray(layer[name][part], np.float32) for layer in adapters])
+                   for part in ("a", "b")} for name in adapters[0]}
 
 
 def flatten(adapters: Adapters) -> dict[str, np.ndarray]:

@@ -49,6 +49,7 @@ from lookm_jax.train import adapters as lora
 from lookm_jax.train import replay, subspace, tower
 from lookm_jax.train.runs import (LOG, arrays_of, end_step, jit_step, load_checkpoint, save_checkpoint, truncate_log,
                                   write_atomic)
+from lookm_jax.train.decoder_command import ADAPTED_TOKENS
 from lookm_jax.train.data import Batch, BatchSpec, Encoder, single_picture_spec
 from lookm_jax.train.vision import embedded_answer_metrics
 
@@ -139,6 +140,7 @@ class DecoderConfig:
     init: str | None = None  # a finished run's folder, or SHIPPED: its adapters and projector start this run
     init_scale: float = 1.0  # the init's adapters start scaled by this (b x init_scale)
     subspace_dims: int = 0  # > 0: each adapter reads only that many input directions (`subspace`); 0: all
+    adapted_tokens: str = ADAPTED_TOKENS[0]  # "image": the adapters act on image tokens only, no replay needed
     FREE_ON_RESUME: ClassVar[tuple[str, ...]] = ("eval_every", "checkpoint_every", "eval_samples")
 
     def __post_init__(self):
@@ -161,6 +163,12 @@ class DecoderConfig:
         if self.replay_generated and not 1 <= self.replay_batch_size // 2 <= self.replay_generated:
             raise ValueError(f"replay_generated > 0 needs replay_batch_size >= 2 and replay_generated >= half of it (the "
                              f"generated prompts' rows of a step), got {self.replay_generated} and {self.replay_batch_size}")
+        if self.adapted_tokens not in ADAPTED_TOKENS:
+            raise ValueError(f"adapted_tokens must be one of {ADAPTED_TOKENS}, got {self.adapted_tokens!r}")
+        if self.image_only and (self.replay_weight or self.replay_generated):
+            raise ValueError("adapted_tokens 'image' leaves every text-only prompt to the frozen decoder exactly: "
+                             f"replay_weight and replay_generated must be 0, got {self.replay_weight} and "
+                             f"{self.replay_generated}")
         if self.subspace_dims < 0:
             raise ValueError(f"subspace_dims must be >= 0 (0: adapters read every input direction), got {self.subspace_dims}")
         if not self.batches:
@@ -170,6 +178,10 @@ class DecoderConfig:
             raise ValueError(f"read_layers must be distinct layer indices >= 0, got {layers}")
         if self.read_weight > 0 and not layers:
             raise ValueError("read_weight > 0 needs read_layers: the layers whose attention it supervises")
+
+    @property
+    def image_only(self) -> bool:
+        return self.adapted_tokens == "image"
 
     def spec(self, step: int) -> BatchSpec:
         return self.batches[(step - 1) % len(self.batches)]
@@ -221,12 +233,12 @@ def optimizer(config: DecoderConfig) -> optax.GradientTransformation:
                                              lambda params: {k: k for k in params}))
 
 
-def adapted_text(frozen: dict, adapters: lora.Adapters, scale: float) -> dict:
-    """The frozen text params with `adapters` applied on the fly, restricted to frozen["subspace"] if a
-    run has one."""
+def adapted_text(frozen: dict, adapters: lora.Adapters, scale: float, tokens: jax.Array | None = None) -> dict:
+    """The frozen text params with `adapters` applied on the fly (at the `tokens` [B, L] marked only, when
+    given), restricted to frozen["subspace"] if a run has one."""
     if "subspace" in frozen:
         adapters = subspace.restrict(adapters, frozen["subspace"])
-    return lora.apply(frozen["text"], adapters, scale)
+    return lora.apply(frozen["text"], adapters, scale, tokens)
 
 
 def adapter_subspace(model, config: DecoderConfig, initial: dict, output: str, batch_fn: Callable[[int], Batch],
@@ -372,12 +384,14 @@ def read_loss(log_shares: jax.Array, read_mask: jax.Array, layers: tuple[int, ..
     return -(picked * has_read).sum() / count, (jnp.exp(picked) * has_read).sum() / count
 
 
-def metrics_fn(cfg, scale: float, read_layers: tuple[int, ...] = ()) -> Callable:
+def metrics_fn(cfg, scale: float, read_layers: tuple[int, ...] = (), image_only: bool = False) -> Callable:
     """(trainable, frozen, batch) -> (picture answer loss, metrics): the adapted model's
     `vision.answer_metrics` (+ "replay_kl", "replay_accuracy" of `replay_metrics` when batch has "replay";
-    + "read_loss", "read_share" of `read_loss` over `read_layers` when given)."""
+    + "read_loss", "read_share" of `read_loss` over `read_layers` when given). `image_only`: the adapters
+    act on the batch's image tokens only."""
     def metrics(trainable, frozen, batch):
-        text = adapted_text(frozen, trainable["adapters"], scale)
+        tokens = llava.image_mask(cfg, batch["ids"]) if image_only else None
+        text = adapted_text(frozen, trainable["adapters"], scale, tokens)
         params = {"text": text, "vision": frozen["vision"], "projector": trainable["projector"]}
         x, is_image = llava.embed(cfg, params, batch["ids"], batch["pixel_values"])
         if read_layers:
@@ -400,11 +414,13 @@ def make_step(cfg, tx: optax.GradientTransformation, config: DecoderConfig) -> C
     image-norm penalty (+ read_weight x the read loss, when on). Jitted, the trainable parameters and
     optimizer state donated; static through the closure: the model config, the optimizer and the
     weights. Each batch kind compiles once."""
-    metrics = metrics_fn(cfg, config.scale, config.read_layers if config.read_weight else ())
+    metrics = metrics_fn(cfg, config.scale, config.read_layers if config.read_weight else (), config.image_only)
 
     def objective(trainable, frozen, batch):
         loss, out = metrics(trainable, frozen, batch)
-        total = loss + config.replay_weight * out["replay_kl"] + config.image_norm_weight * out["image_norm"]
+        total = loss + config.image_norm_weight * out["image_norm"]
+        if "replay" in batch:
+            total += config.replay_weight * out["replay_kl"]
         if config.read_weight:
             total += config.read_weight * out["read_loss"]
         return total, (loss, out)
@@ -417,9 +433,9 @@ class HeldOut:
     held-out colour-shape combination, 8 pictures (every one-word kind of `scenes.PICTURE_KINDS`:
     "describe" starts with "A"; counts answered in the form the run trains, except tallied ones, whose
     first token is always "1"), and the held-out
-    replay prompts' continuations (every token)."""
+    replay prompts' continuations (every token; not when `held_out_bank` is None: image-only adapters)."""
 
-    def __init__(self, encoder: Encoder, config: DecoderConfig, image_size: int, held_out_bank: replay.Bank,
+    def __init__(self, encoder: Encoder, config: DecoderConfig, image_size: int, held_out_bank: replay.Bank | None,
                  batch_size: int = 8):
         count = -(-config.eval_samples // batch_size)
         single = single_picture_spec(batch_size, turns=1)
@@ -433,15 +449,17 @@ class HeldOut:
                                 for i in range(count)] for split in ("heldout", "combination")}
         self.batches["eight_pictures"] = [arrays_of(eight.make(encoder, "heldout", config.seed, i * eight.batch_size,
                                                                image_size)) for i in range(2 * count)]
-        rows = min(config.eval_samples, len(held_out_bank.prompts))
+        rows = 0 if held_out_bank is None else min(config.eval_samples, len(held_out_bank.prompts))
         self.replay = [jax.tree.map(jnp.asarray, replay_batch(held_out_bank, range(i, min(i + batch_size, rows))))
                        for i in range(0, rows, batch_size)]
 
     def __call__(self, metrics: Callable, token_accuracy: Callable, trainable: dict, frozen: dict) -> dict[str, float]:
         out = {f"{split}_accuracy": float(np.mean([float(metrics(trainable, frozen, b)[1]["accuracy"])
                                                    for b in batches])) for split, batches in self.batches.items()}
-        tokens = [float(token_accuracy(trainable, frozen, b)) for b in self.replay]
-        return {**out, "replay_heldout_token_accuracy": float(np.mean(tokens))}
+        if self.replay:
+            tokens = [float(token_accuracy(trainable, frozen, b)) for b in self.replay]
+            out["replay_heldout_token_accuracy"] = float(np.mean(tokens))
+        return out
 
 
 def _replay_token_accuracy(cfg, scale: float) -> Callable:
@@ -478,7 +496,8 @@ def train(model, config: DecoderConfig, output: str, *, batch_fn: Callable[[int]
     if restored is not None:
         step, trainable, opt_state = restored
         truncate_log(os.path.join(output, LOG), step)
-    train_bank = replay_bank or replay.bank(model, output, "train", config.seed, config.replay_generated, progress)
+    train_bank = None if config.image_only else (
+        replay_bank or replay.bank(model, output, "train", config.seed, config.replay_generated, progress))
     encoder = Encoder.of(model) if batch_fn is None else None
     image_size = cfg.pixel_shape[-1]
     if batch_fn is None:
@@ -489,9 +508,10 @@ def train(model, config: DecoderConfig, output: str, *, batch_fn: Callable[[int]
         frozen["subspace"] = adapter_subspace(model, config, initial, output, batch_fn, train_bank, progress)
     held_out = None
     if encoder is not None:
-        held_out = HeldOut(encoder, config, image_size, replay.bank(model, output, "heldout", config.seed))
+        held_out = HeldOut(encoder, config, image_size,
+                           None if config.image_only else replay.bank(model, output, "heldout", config.seed))
     train_step = make_step(cfg, tx, config)
-    metrics = jax.jit(metrics_fn(cfg, config.scale))
+    metrics = jax.jit(metrics_fn(cfg, config.scale, image_only=config.image_only))
     token_accuracy = _replay_token_accuracy(cfg, config.scale)
     last = config.steps if stop_after is None else min(config.steps, step + stop_after)
     bar = tqdm(total=config.steps, initial=step, desc="train decoder", unit="step", disable=not progress)
@@ -501,17 +521,20 @@ def train(model, config: DecoderConfig, output: str, *, batch_fn: Callable[[int]
         step += 1
         batch = batch_fn(step)
         arrays = arrays_of(batch)
-        rng = np.random.default_rng([config.seed, step])  # seeded by the step: a resumed run draws the same
-        rows = replay_rows(rng, len(train_bank.prompts), config.replay_generated, config.replay_batch_size)
-        arrays["replay"] = jax.tree.map(jnp.asarray, replay_batch(train_bank, rows))
+        if train_bank is not None:
+            rng = np.random.default_rng([config.seed, step])  # seeded by the step: a resumed run draws the same
+            rows = replay_rows(rng, len(train_bank.prompts), config.replay_generated, config.replay_batch_size)
+            arrays["replay"] = jax.tree.map(jnp.asarray, replay_batch(train_bank, rows))
+            tokens += int(arrays["replay"]["valid"].sum())
         trainable, opt_state, loss, step_metrics = train_step(trainable, opt_state, frozen, arrays)
         loss = float(loss)
         tower.check_finite("stage-2", loss, step, config.learning_rate)
-        tokens += int(batch.valid.sum()) + int(arrays["replay"]["valid"].sum())
+        tokens += int(batch.valid.sum())
         record = {"step": step, "loss": loss, **{k: float(v) for k, v in step_metrics.items()},
                   "pictures": int(batch.pixel_values.shape[0] // batch.ids.shape[0])}
         bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", acc=f"{record['accuracy']:.2f}", kl=f"{record['replay_kl']:.4f}",
+        kl = {} if train_bank is None else {"kl": f"{record['replay_kl']:.4f}"}
+        bar.set_postfix(loss=f"{loss:.3f}", acc=f"{record['accuracy']:.2f}", **kl,
                         tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
         end_step(log, bar, record, config, last, start,
                  None if held_out is None else lambda: held_out(metrics, token_accuracy, trainable, frozen),

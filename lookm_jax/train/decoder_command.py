@@ -10,6 +10,10 @@ from lookm_jax import scenes
 from lookm_jax.checks import check_output_folder
 from lookm_jax.cli_args import finite_float, int_at_least, path_arg, positive_float, seed_arg
 
+# `DecoderConfig.adapted_tokens`: the adapters update every token, or the image tokens only (partial LoRA,
+# as InternLM-XComposer2's: text tokens, and so every text-only prompt, run the frozen decoder exactly)
+ADAPTED_TOKENS = ("all", "image")
+
 
 def kind_weight(text: str) -> tuple[str, int]:
     """argparse type of --kind-weight: "KIND=N" -> (KIND, N), N a whole number >= 1."""
@@ -54,7 +58,8 @@ def add_parser(subparsers) -> None:
                    help="the projector's peak rate, >= 0 (0 keeps the shipped projector)")
     p.add_argument("--warmup-steps", type=int_at_least(0), default=30, help="linear warmup steps")
     p.add_argument("--replay-batch-size", type=int_at_least(1), default=4, help="text-only replay prompts per step")
-    p.add_argument("--replay-weight", type=finite_float, default=1.0, help="weight of the replay KL to the frozen decoder, >= 0")
+    p.add_argument("--replay-weight", type=finite_float,
+                   help="weight of the replay KL to the frozen decoder, >= 0 (default 1; 0 with --adapted-tokens image)")
     p.add_argument("--replay-generated", type=int_at_least(0), default=0,
                    help="text prompts the frozen decoder writes itself (its chat template opened for a user turn, "
                         "sampled), answered by it and added to the replay's templated prompts (0: templates only)")
@@ -66,6 +71,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--subspace-dims", type=int_at_least(0), default=0,
                    help="each adapter reads only this many directions of its input: those picture conversations use "
                         "and text-only prompts do not, so text keeps the frozen decoder's behaviour (0: every direction)")
+    p.add_argument("--adapted-tokens", choices=ADAPTED_TOKENS, default=ADAPTED_TOKENS[0],
+                   help="which tokens the adapters update: all, or the image tokens only (partial LoRA: text tokens "
+                        "and every text-only prompt run the frozen decoder exactly, so no replay is needed; the demo "
+                        "then applies them in the prefill instead of folding them)")
     p.add_argument("--eval-every", type=int_at_least(1), default=100, help="steps between held-out accuracy checks")
     p.add_argument("--checkpoint-every", type=int_at_least(1), default=10, help="steps between checkpoints")
     p.add_argument("--init", type=path_arg, help="start from a finished run's folder (its exported adapters and "
@@ -97,6 +106,13 @@ def decoder_config(args):
         raise ValueError(f"--init must be a finished run's folder or '{decoder.SHIPPED}', got {args.init} (no such folder)")
     if args.init is None and args.init_scale != 1:
         raise ValueError(f"--init-scale scales the --init adapters, and no --init was given (got {args.init_scale})")
+    image_only = args.adapted_tokens == "image"
+    if image_only and (args.replay_weight or args.replay_generated):
+        raise ValueError("--adapted-tokens image leaves text-only prompts to the frozen decoder exactly: no replay, so "
+                         f"--replay-weight and --replay-generated must be 0 or left out, got {args.replay_weight} and "
+                         f"{args.replay_generated}")
+    if args.replay_weight is None:
+        args.replay_weight = 0.0 if image_only else 1.0
     for flag in ("learning_rate", "projector_learning_rate", "replay_weight", "read_weight"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
@@ -111,7 +127,7 @@ def decoder_config(args):
         replay_batch_size=args.replay_batch_size, replay_weight=args.replay_weight,
         replay_generated=args.replay_generated, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, init=args.init, init_scale=args.init_scale, read_weight=args.read_weight,
-        read_layers=args.read_layers, subspace_dims=args.subspace_dims,
+        read_layers=args.read_layers, subspace_dims=args.subspace_dims, adapted_tokens=args.adapted_tokens,
         batches=batches)
 
 
@@ -127,7 +143,8 @@ def cmd_decoder(args) -> int:
         raise ValueError(f"--stop-after 0 exports the run's checkpoint, and {args.output} has none")
     model = loading.demo_model(vision="trained", decoder="frozen")  # stage 2 starts from the frozen decoder
     trained = decoder.train(model, config, args.output, stop_after=args.stop_after)
-    metadata = {"train_config": json.dumps(dataclasses.asdict(config), default=str)}
+    metadata = {"train_config": json.dumps(dataclasses.asdict(config), default=str),
+                "adapted_tokens": config.adapted_tokens}  # `loading.demo_adapters_tokens`
     path = os.path.join(args.output, decoder.ADAPTERS_FILE)
     decoder.export_adapters(path, trained["adapters"], config.scale, metadata)
     vision_path = os.path.join(args.output, decoder.VISION_FILE)
