@@ -259,11 +259,15 @@ def _vision_params(vision: str, hf_config: dict) -> dict:
 
 def demo_adapters_tokens(path: str) -> str:
     """Which tokens an adapters file's adapters act on: "all" (folded into the weights) or "image" (kept
-    apart, applied at the image tokens): its "adapted_tokens" metadata, "all" when it has none."""
+    apart, applied at the image tokens): its "adapted_tokens" metadata, "all" when it has none; ValueError
+    for any other value."""
     from safetensors import safe_open
 
     with safe_open(path, framework="numpy") as f:
-        return (f.metadata() or {}).get("adapted_tokens", "all")
+        tokens = (f.metadata() or {}).get("adapted_tokens", "all")
+    if tokens not in ("all", "image"):
+        raise ValueError(f"{path}: adapted_tokens {tokens!r} in its metadata, expected 'all' or 'image'")
+    return tokens
 
 
 def _add_adapters(text_config: dict, stored_text: dict, path: str) -> tuple[dict, dict | None]:
