@@ -263,10 +263,12 @@ def demo_adapters_tokens(path: str) -> str:
     for any other value."""
     from safetensors import safe_open
 
+    from lookm_jax.train.adapters import ADAPTED_TOKENS
+
     with safe_open(path, framework="numpy") as f:
-        tokens = (f.metadata() or {}).get("adapted_tokens", "all")
-    if tokens not in ("all", "image"):
-        raise ValueError(f"{path}: adapted_tokens {tokens!r} in its metadata, expected 'all' or 'image'")
+        tokens = (f.metadata() or {}).get("adapted_tokens", ADAPTED_TOKENS[0])
+    if tokens not in ADAPTED_TOKENS:
+        raise ValueError(f"{path}: adapted_tokens {tokens!r} in its metadata, expected one of {ADAPTED_TOKENS}")
     return tokens
 
 

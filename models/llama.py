@@ -10,7 +10,6 @@ compiled programs read, and `stored_params` back (Model.save):
             (+ b_qkv [Hkv, G + 2, D] when cfg.qkv_bias: Qwen2)
             (+ adapters {name: {"a": [R, In], "b": [Out, R]}} for names in ADAPTED_WEIGHTS, while
             low-rank adapters are trained on the fly; shipped adapters are folded into the weights)
-
 Weights are [out, in], so a batch-1 decode dot contracts each weight's minor axis (on XLA:CPU it
 streams about twice as fast as [in, out]); q/k/v and gate/up are one dot each (larger dots stream
 faster: 30 SmolLM2 layers' batch-1 dots 22.5 -> 19.5 ms), split by KV head and by MLP row so a

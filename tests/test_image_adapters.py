@@ -107,7 +107,7 @@ def test_the_demo_attaches_image_only_adapters_instead_of_folding_them(tmp_path)
     assert loading.demo_adapters_tokens(path) == "image"
     odd = str(tmp_path / "odd.safetensors")
     decoder.export_adapters(odd, ad, 1.0, {"adapted_tokens": "text"})
-    with pytest.raises(ValueError, match="adapted_tokens 'text' in its metadata, expected 'all' or 'image'"):
+    with pytest.raises(ValueError, match=r"adapted_tokens 'text' in its metadata, expected one of \('all', 'image'\)"):
         loading.demo_model(decoder=odd)
     demo = loading.demo_model(decoder=path)
     chex.assert_trees_all_equal(demo.params["text"]["layers"][0]["wo"], frozen.params["text"]["layers"][0]["wo"])

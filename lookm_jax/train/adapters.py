@@ -22,6 +22,10 @@ import numpy as np
 from lookm_jax.models import llama
 
 Adapters = tuple  # one {weight name: {"a": [R, In], "b": [Out, R]}} per layer
+# Which tokens a run's adapters update (`DecoderConfig.adapted_tokens`, an exported file's "adapted_tokens"):
+# every token (folded when shipped), or the image tokens only (partial LoRA, as InternLM-XComposer2's: text
+# tokens, and so every text-only prompt, run the frozen decoder exactly; shipped unfolded, `stacked`)
+ADAPTED_TOKENS = ("all", "image")
 
 
 def matrix_shape(weight: jax.Array) -> tuple[int, int]:

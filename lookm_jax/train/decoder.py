@@ -49,7 +49,6 @@ from lookm_jax.train import adapters as lora
 from lookm_jax.train import replay, subspace, tower
 from lookm_jax.train.runs import (LOG, arrays_of, end_step, jit_step, load_checkpoint, save_checkpoint, truncate_log,
                                   write_atomic)
-from lookm_jax.train.decoder_command import ADAPTED_TOKENS
 from lookm_jax.train.data import Batch, BatchSpec, Encoder, single_picture_spec
 from lookm_jax.train.vision import embedded_answer_metrics
 
@@ -140,7 +139,7 @@ class DecoderConfig:
     init: str | None = None  # a finished run's folder, or SHIPPED: its adapters and projector start this run
     init_scale: float = 1.0  # the init's adapters start scaled by this (b x init_scale)
     subspace_dims: int = 0  # > 0: each adapter reads only that many input directions (`subspace`); 0: all
-    adapted_tokens: str = ADAPTED_TOKENS[0]  # "image": the adapters act on image tokens only, no replay needed
+    adapted_tokens: str = lora.ADAPTED_TOKENS[0]  # "image": the adapters act on image tokens only, no replay needed
     FREE_ON_RESUME: ClassVar[tuple[str, ...]] = ("eval_every", "checkpoint_every", "eval_samples")
 
     def __post_init__(self):
@@ -163,8 +162,8 @@ class DecoderConfig:
         if self.replay_generated and not 1 <= self.replay_batch_size // 2 <= self.replay_generated:
             raise ValueError(f"replay_generated > 0 needs replay_batch_size >= 2 and replay_generated >= half of it (the "
                              f"generated prompts' rows of a step), got {self.replay_generated} and {self.replay_batch_size}")
-        if self.adapted_tokens not in ADAPTED_TOKENS:
-            raise ValueError(f"adapted_tokens must be one of {ADAPTED_TOKENS}, got {self.adapted_tokens!r}")
+        if self.adapted_tokens not in lora.ADAPTED_TOKENS:
+            raise ValueError(f"adapted_tokens must be one of {lora.ADAPTED_TOKENS}, got {self.adapted_tokens!r}")
         if self.image_only and (self.replay_weight or self.replay_generated):
             raise ValueError("adapted_tokens 'image' leaves every text-only prompt to the frozen decoder exactly: "
                              f"replay_weight and replay_generated must be 0, got {self.replay_weight} and "

@@ -9,10 +9,8 @@ import os
 from lookm_jax import scenes
 from lookm_jax.checks import check_output_folder
 from lookm_jax.cli_args import finite_float, int_at_least, path_arg, positive_float, seed_arg
+from lookm_jax.train.adapters import ADAPTED_TOKENS
 
-# `DecoderConfig.adapted_tokens`: the adapters update every token, or the image tokens only (partial LoRA,
-# as InternLM-XComposer2's: text tokens, and so every text-only prompt, run the frozen decoder exactly)
-ADAPTED_TOKENS = ("all", "image")
 
 
 def kind_weight(text: str) -> tuple[str, int]:
